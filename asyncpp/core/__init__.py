@@ -1,0 +1,1 @@
+"""Engine-side core: requests, step plans, scheduling."""

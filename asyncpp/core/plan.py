@@ -1,0 +1,55 @@
+"""`StepPlan`: one scheduled step, the only thing the runner needs to run it.
+
+The same plan goes to every pipeline stage. It is a fresh immutable batch:
+the runner keeps per-request sampling state (keyed by request id) and nothing
+else across steps, so a plan names every token and block it touches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncpp.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """Sent the first step a request is scheduled, and again after a preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated before a preemption; [] when new
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one decode token)
+    start_position: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # the whole block table, covering start_position + len(token_ids)
+    do_sample: bool  # this step reaches the last known token: sample the next one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduled)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

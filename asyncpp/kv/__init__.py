@@ -1,0 +1,1 @@
+"""Paged KV cache: block manager with prefix caching and cache sizing."""

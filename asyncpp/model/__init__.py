@@ -1,0 +1,1 @@
+"""Llama-family model code: single-device, built as a slice of layers."""

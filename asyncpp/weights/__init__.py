@@ -1,0 +1,1 @@
+"""Weight loaders (GGUF, HF directories, deterministic random) keyed by source."""

@@ -1,0 +1,1 @@
+"""Stage-side worker: the two-phase model runner."""
