@@ -1,0 +1,172 @@
+"""Deployment configuration: a frozen dataclass tree loaded from one TOML file.
+
+`load_config(path)` reads TOML, rejects unknown keys and wrong types with an
+error naming the dotted key (`cache.block_size`), and returns an immutable
+`EngineConfig`. Values discovered at run time (the number of KV blocks) live
+in separate objects and are never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_SOURCES = ("gguf", "hf", "random")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; the message names the offending key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: str = "gguf"  # gguf | hf | random
+    path: str = ""  # file (gguf), directory (hf) or tiny config name (random); "" = default SmolLM2 GGUF
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.source not in _SOURCES:
+            raise ConfigError(f"model.source must be one of {_SOURCES}, got {self.source!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ConfigError(f"model.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _positive("model.max_model_len", self.max_model_len)
+
+    @property
+    def path_or_none(self) -> str | None:
+        return self.path or None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    pp_size: int = 1
+    layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
+    num_threads: int = 1  # torch threads per stage process (CPU)
+
+    def __post_init__(self) -> None:
+        _positive("parallel.pp_size", self.pp_size)
+        _positive("parallel.num_threads", self.num_threads)
+        if self.layer_split and len(self.layer_split) != self.pp_size:
+            raise ConfigError(
+                f"parallel.layer_split has {len(self.layer_split)} entries but parallel.pp_size is {self.pp_size}"
+            )
+        for n in self.layer_split:
+            _positive("parallel.layer_split entries", n)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_mb: int = 256  # budget for K and V of this stage's layers
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("cache.block_size", self.block_size)
+        _positive("cache.kv_cache_memory_mb", self.kv_cache_memory_mb)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("scheduler.max_num_seqs", self.max_num_seqs)
+        _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # loopback by default
+    port: int = 5557
+    grace_period_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if (
+            not self.scheduler.enable_chunked_prefill
+            and self.scheduler.max_num_batched_tokens < self.model.max_model_len
+        ):
+            raise ConfigError(
+                "scheduler.max_num_batched_tokens must be >= model.max_model_len "
+                "when scheduler.enable_chunked_prefill is false"
+            )
+
+    def replace(self, **sections: Any) -> "EngineConfig":
+        """A copy with whole sections or single fields replaced: replace(model={"dtype": "float32"})."""
+        updated = {}
+        for name, value in sections.items():
+            current = getattr(self, name)
+            updated[name] = dataclasses.replace(current, **value) if isinstance(value, dict) else value
+        return dataclasses.replace(self, **updated)
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> EngineConfig:
+    return _build(EngineConfig, data, prefix="")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {where} must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s} (known in {where}: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, prefix=f"{key}.")
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        (item_type, _) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key} must be a list, got {type(value).__name__}")
+        return tuple(_coerce(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"config key {key}: union types are not supported")  # pragma: no cover
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"config key {key} must be {hint.__name__}, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def _positive(key: str, value: int) -> None:
+    if value < 1:
+        raise ConfigError(f"{key} must be >= 1, got {value}")

@@ -1,0 +1,88 @@
+"""Turn token updates into streamed `RequestOutput` deltas: detokenize, find stop strings.
+
+Token-level stops (EOS, stop token ids, max_tokens) are decided by the
+scheduler; stop strings are found here, across token boundaries, and the
+caller finishes those requests in the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncpp.core.request import Request
+from asyncpp.engine.outputs import RequestOutput
+from asyncpp.tokenizer.detokenizer import IncrementalDetokenizer
+from asyncpp.worker.outputs import Logprobs
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+
+    def add_request(self, request: Request) -> None:
+        params = request.sampling_params
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tracked
+
+    def process(
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        finish_reason: str | None,
+        stop_reason: int | str | None,
+        logprobs: list[Logprobs] | None = None,
+    ) -> RequestOutput | None:
+        """Delta for one request's new tokens; sets `stop_reason` to the stop string if one was hit."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        delta = tracked.detokenizer.add_tokens(new_token_ids) if new_token_ids else None
+        text = delta.text if delta is not None else ""
+        if delta is not None and delta.stop_string is not None:
+            finish_reason, stop_reason = "stop", delta.stop_string
+        elif finish_reason is not None:
+            text += tracked.detokenizer.flush()
+        if finish_reason is not None:
+            del self._tracked[request_id]
+        req = tracked.request
+        return RequestOutput(
+            request_id=request_id,
+            text=text,
+            token_ids=list(new_token_ids),
+            finished=finish_reason is not None,
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is None:
+            return None
+        return RequestOutput(
+            request_id=request_id,
+            text="",
+            token_ids=[],
+            finished=True,
+            finish_reason=reason,
+            num_prompt_tokens=tracked.request.num_prompt_tokens,
+            error=error,
+        )

@@ -1,0 +1,61 @@
+"""structlog set-up shared by every process.
+
+Console rendering for people, JSON lines for tools (`asyncpp.trace` reads
+them). Bind `role`, `pp_rank`, `step_id`, `request_id` with
+`get_logger(role=...)` / `.bind(...)` so a step can be followed across
+processes by its `step_id`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+_configured = False
+
+
+def configure_logging(fmt: str = "console", level: str = "info", file: str | None = None) -> None:
+    """Configure structlog (and stdlib logging) for this process; idempotent per call."""
+    global _configured
+    if fmt not in ("console", "json"):
+        raise ValueError(f"log format must be 'console' or 'json', got {fmt!r}")
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        raise ValueError(f"unknown log level {level!r}")
+    stream: TextIO = open(file, "a", buffering=1) if file else sys.stderr  # noqa: SIM115 - lives with the process
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if fmt == "json" or file
+        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            _add_monotonic,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        cache_logger_on_first_use=False,
+    )
+    _configured = True
+
+
+def _add_monotonic(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    # Wall-clock timestamps in microseconds let traces line processes up.
+    import time
+
+    event.setdefault("t_us", time.time_ns() // 1000)
+    return event
+
+
+def get_logger(**bound: Any) -> Any:
+    if not _configured:
+        configure_logging(level="warning")
+    return structlog.get_logger().bind(**bound)

@@ -1,0 +1,134 @@
+"""Paged attention over a flat KV cache, for mixed prefill + decode batches.
+
+The cache of one layer is `[num_blocks * block_size, num_kv_heads, head_dim]`
+for K and for V; a token at position p of a request lives in slot
+`block_ids[p // block_size] * block_size + p % block_size`.
+
+`AttentionMetadata.build` turns one step's requests into index tensors once
+per step (numpy, vectorised over tokens); every layer reuses them. Requests
+computing one token (decode) are batched together with a key-padding mask;
+requests computing several tokens (prefill chunks, possibly after cached
+prefix blocks) are batched with a causal mask offset by their start position.
+Both go through `scaled_dot_product_attention` with grouped-query heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class _Group:
+    """Requests attended together: queries padded to `max_q`, keys to `max_ctx`."""
+
+    token_idx: torch.Tensor  # [num_valid] rows of the flat token axis, in (request, query) order
+    query_idx: torch.Tensor  # [num_reqs, max_q] flat token row per padded query (padding -> 0)
+    query_valid: torch.Tensor  # [num_reqs, max_q] bool
+    key_slots: torch.Tensor  # [num_reqs, max_ctx] cache slot per key position (padding -> 0)
+    mask: torch.Tensor  # [num_reqs, 1, max_q, max_ctx] bool, True = attend
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_idx.shape[1] == 1
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
+    groups: list[_Group]
+
+    @staticmethod
+    def build(
+        start_positions: np.ndarray,  # [num_reqs] tokens already in the cache per request
+        num_new_tokens: np.ndarray,  # [num_reqs] tokens computed this step per request
+        block_table: np.ndarray,  # [num_reqs, max_num_blocks] int, padded
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple["AttentionMetadata", np.ndarray]:
+        """Return the metadata and the positions `[num_tokens]` of the step's tokens."""
+        num_reqs = len(num_new_tokens)
+        query_start = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_new_tokens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), num_new_tokens)
+        positions = np.arange(num_tokens, dtype=np.int64) - query_start[req_of_token] + start_positions[req_of_token]
+        slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+        groups = []
+        is_decode = num_new_tokens == 1
+        for selected in (np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]):
+            if len(selected):
+                groups.append(
+                    _build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device)
+                )
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups)
+        return meta, positions
+
+
+def _build_group(
+    reqs: np.ndarray,
+    start_positions: np.ndarray,
+    num_new_tokens: np.ndarray,
+    query_start: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+) -> _Group:
+    starts = start_positions[reqs]
+    lens = num_new_tokens[reqs]
+    max_q = int(lens.max())
+    ctx_lens = starts + lens
+    max_ctx = int(ctx_lens.max())
+
+    q_offsets = np.arange(max_q)
+    query_valid = q_offsets[None, :] < lens[:, None]
+    query_idx = np.where(query_valid, query_start[reqs][:, None] + q_offsets[None, :], 0)
+
+    key_pos = np.arange(max_ctx)
+    key_valid = key_pos[None, :] < ctx_lens[:, None]
+    blocks = block_table[reqs][:, np.minimum(key_pos // block_size, block_table.shape[1] - 1)]
+    key_slots = np.where(key_valid, blocks * block_size + key_pos % block_size, 0)
+
+    # Causal with an offset: query i of a request sits at position start + i.
+    query_pos = starts[:, None] + q_offsets[None, :]  # [num_reqs, max_q]
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+    # Padding queries attend to key 0 only so softmax never sees an all-masked row.
+    mask[~query_valid] = False
+    mask[..., 0] |= ~query_valid
+
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    return _Group(
+        token_idx=to(query_idx[query_valid]),
+        query_idx=to(query_idx),
+        query_valid=to(query_valid),
+        key_slots=to(key_slots),
+        mask=to(mask[:, None, :, :]),
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    # Write first, then read: a request's new tokens attend to themselves through the cache.
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    num_tokens, num_heads, head_dim = q.shape
+    out = q.new_empty(num_tokens, num_heads * head_dim)
+    for g in meta.groups:
+        qg = q[g.query_idx].transpose(1, 2)  # [num_reqs, num_heads, max_q, head_dim]
+        kg = k_cache[g.key_slots].transpose(1, 2)  # [num_reqs, num_kv_heads, max_ctx, head_dim]
+        vg = v_cache[g.key_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+        og = og.transpose(1, 2)  # [num_reqs, max_q, num_heads, head_dim]
+        out[g.token_idx] = og[g.query_valid].reshape(-1, num_heads * head_dim)
+    return out

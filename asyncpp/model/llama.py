@@ -1,0 +1,202 @@
+"""A Llama-family decoder built as a slice of layers `[start_layer, end_layer)`.
+
+Single-device, pure model code: the first slice embeds tokens, the last
+applies the final norm and computes logits, every slice carries
+`(hidden_states, residual)` between layers the way vLLM does (the residual
+add is fused into the next norm's input), which computes exactly the same
+sums as HF's `x + f(norm(x))` in the same order. A pipeline stage is one
+slice; chaining slices gives bit-identical results to the whole model.
+
+Weights arrive as HF-named tensors (see `asyncpp.weights`); q/k/v and
+gate/up are concatenated at load time so each layer does 4 matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncpp.model.arch import ModelArch
+from asyncpp.model.attention import AttentionMetadata, paged_attention
+from asyncpp.model.intermediate import IntermediateTensors
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like HF, then scale in the activation dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-convention RoPE (rotate-half), cos/sin tables computed once in float32."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # [max_position, head_dim]
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden if residual is None else residual + hidden
+        hidden = self.self_attn(self.input_layernorm(residual), positions, rope, kv_cache, meta)
+        residual = residual + hidden
+        hidden = self.mlp(self.post_attention_layernorm(residual))
+        return hidden, residual
+
+
+class LlamaModel(nn.Module):
+    """Layers `[start_layer, end_layer)` of a Llama decoder (global layer indices)."""
+
+    def __init__(self, arch: ModelArch, start_layer: int = 0, end_layer: int | None = None) -> None:
+        super().__init__()
+        end_layer = arch.num_layers if end_layer is None else end_layer
+        if not 0 <= start_layer < end_layer <= arch.num_layers:
+            raise ValueError(f"bad layer slice [{start_layer}, {end_layer}) for {arch.num_layers} layers")
+        self.arch = arch
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.is_first = start_layer == 0
+        self.is_last = end_layer == arch.num_layers
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size) if self.is_first else None
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(start_layer, end_layer))
+        self.rope = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta)
+        if self.is_last:
+            self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.requires_grad_(False)
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [num_tokens], first slice only
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer of this slice
+        meta: AttentionMetadata,
+        intermediate: IntermediateTensors | None = None,  # from the previous slice
+    ) -> IntermediateTensors | torch.Tensor:
+        """Non-last slices return `IntermediateTensors`; the last returns normed hidden states."""
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+        if not self.is_last:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        return self.norm(hidden + residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        return self.lm_head(hidden)
+
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in; every parameter of the slice must be covered."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            param = params[name]
+            if param.shape != value.shape:
+                raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(value.shape)}")
+            param.data.copy_(value)
+            loaded.add(name)
+
+        def get(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise ValueError(f"missing weight tensor {name}")
+            return tensors[name]
+
+        if self.is_first:
+            put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        for local, layer_idx in enumerate(range(self.start_layer, self.end_layer)):
+            src, dst = f"model.layers.{layer_idx}.", f"layers.{local}."
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                put(f"{dst}{norm}.weight", get(f"{src}{norm}.weight"))
+            qkv = [get(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
+            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
+            put(f"{dst}self_attn.o_proj.weight", get(f"{src}self_attn.o_proj.weight"))
+            gate_up = [get(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
+            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
+            put(f"{dst}mlp.down_proj.weight", get(f"{src}mlp.down_proj.weight"))
+        if self.is_last:
+            put("norm.weight", get("model.norm.weight"))
+            put("lm_head.weight", get("lm_head.weight"))
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"parameters not loaded: {sorted(missing)}")

@@ -1,0 +1,145 @@
+"""`ModelRunner`: runs one stage's slice of the model for a `StepPlan`, in two phases.
+
+1. `execute_model(plan, intermediate)`: prepare inputs in persistent buffers
+   and run the slice. A non-last stage returns the `IntermediateTensors` to
+   hand to the next stage. The last stage computes logits for the requests
+   that sample and keeps them in an explicit `ExecuteModelState`.
+2. `sample_tokens()` (last stage only): sample from that state and return
+   the step's `ModelRunnerOutput`.
+
+The runner keeps per-request sampling state (seeded generators, token history
+for penalties) keyed by request id; everything else comes from the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.model.intermediate import IntermediateTensors
+from asyncpp.model.llama import LlamaModel
+from asyncpp.sampling.sampler import RequestSamplingState, Sampler
+from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
+from asyncpp.worker.step_inputs import StepInputBuffers
+
+
+@dataclass
+class ExecuteModelState:
+    """What `sample_tokens` needs from `execute_model` of the same step."""
+
+    step_id: int
+    sampling_req_ids: list[str]
+    logits: torch.Tensor | None  # [num_sampling_reqs, vocab_size]; None when nothing samples
+    finished_req_ids: frozenset[str]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        max_num_batched_tokens: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if len(kv_caches) != model.num_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
+        self.model = model
+        self.kv_caches = kv_caches
+        self.device = torch.device(device)
+        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device)
+        self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
+        self.sampling_states: dict[str, RequestSamplingState] = {}
+        self.execute_state: ExecuteModelState | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @torch.inference_mode()
+    def execute_model(
+        self, plan: StepPlan, intermediate: IntermediateTensors | None = None
+    ) -> IntermediateTensors | None:
+        if self.execute_state is not None:
+            raise RuntimeError(f"execute_model(step {plan.step_id}) before sample_tokens of step {self.execute_state.step_id}")
+        self._update_states(plan)
+        finished = frozenset(plan.finished_req_ids)
+        if plan.is_empty:
+            if self.is_last:
+                self.execute_state = ExecuteModelState(plan.step_id, [], None, finished)
+            return None
+        inputs = self.buffers.prepare(plan)
+        if not self.model.is_first:
+            if intermediate is None:
+                raise ValueError(f"step {plan.step_id}: stage {self.model.start_layer}.. needs intermediate tensors")
+            if intermediate.num_tokens < inputs.num_tokens:
+                raise ValueError(
+                    f"step {plan.step_id}: intermediate tensors hold {intermediate.num_tokens} tokens, "
+                    f"the plan has {inputs.num_tokens}"
+                )
+            intermediate = intermediate.narrow(inputs.num_tokens)
+        out = self.model(
+            inputs.input_ids if self.model.is_first else None,
+            inputs.positions,
+            self.kv_caches,
+            inputs.attn_meta,
+            intermediate,
+        )
+        if not self.is_last:
+            return out
+        logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None
+        self.execute_state = ExecuteModelState(plan.step_id, inputs.sampling_req_ids, logits, finished)
+        return None
+
+    @torch.inference_mode()
+    def sample_tokens(self) -> ModelRunnerOutput:
+        state, self.execute_state = self.execute_state, None
+        if state is None:
+            raise RuntimeError("sample_tokens() without a preceding execute_model() on the last stage")
+        if state.logits is None:
+            return ModelRunnerOutput()
+        req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
+        out = self.sampler(state.logits, req_states)
+        token_ids = out.sampled_token_ids.tolist()
+        for req_state, token_id in zip(req_states, token_ids):
+            req_state.output_token_ids.append(token_id)
+        return ModelRunnerOutput(
+            req_ids=state.sampling_req_ids,
+            sampled_token_ids=[[t] for t in token_ids],
+            logprobs=_logprobs_lists(out, req_states),
+        )
+
+    def _update_states(self, plan: StepPlan) -> None:
+        for req_id in plan.finished_req_ids:
+            self.sampling_states.pop(req_id, None)
+        if not self.is_last:
+            return
+        for new in plan.new_requests:
+            old = self.sampling_states.get(new.request_id)
+            state = RequestSamplingState.create(
+                new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids), self.device
+            )
+            if old is not None:  # resumed after preemption: keep the seeded generator's position
+                state.generator = old.generator
+            self.sampling_states[new.request_id] = state
+
+
+def _logprobs_lists(out, req_states: list[RequestSamplingState]) -> list[list[Logprobs] | None]:
+    if out.logprobs is None:
+        return [None] * len(req_states)
+    token_lps = out.logprobs.tolist()
+    top_ids = out.top_logprob_token_ids.tolist() if out.top_logprob_token_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    result: list[list[Logprobs] | None] = []
+    for i, req_state in enumerate(req_states):
+        n = req_state.params.logprobs
+        if n is None:
+            result.append(None)
+            continue
+        ids = top_ids[i][:n] if top_ids is not None else []
+        lps = top_lps[i][:n] if top_lps is not None else []
+        result.append([Logprobs(token_lps[i], ids, lps)])
+    return result

@@ -1,0 +1,75 @@
+"""Build one pipeline stage from plain values: its model slice, KV cache and runner.
+
+Used by the in-process engine (all stages in one process, chained) and by
+stage processes alike, so both run exactly the same code.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from asyncpp.kv.sizing import num_blocks_for_budget
+from asyncpp.logging import get_logger
+from asyncpp.model.arch import ModelArch
+from asyncpp.model.llama import LlamaModel
+from asyncpp.weights import load_weights
+from asyncpp.worker.kv_cache import allocate_kv_caches
+from asyncpp.worker.model_runner import ModelRunner
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def build_model_slice(
+    source: str, path: str | None, arch: ModelArch, start_layer: int, end_layer: int, dtype: torch.dtype, device: str
+) -> LlamaModel:
+    log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
+    t0 = time.perf_counter()
+    tensors = load_weights(
+        source,
+        path,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        need_embed=start_layer == 0,
+        need_head=end_layer == arch.num_layers,
+    )
+    model = LlamaModel(arch, start_layer, end_layer)
+    model.load_weights(tensors)
+    del tensors
+    model = model.to(device=device, dtype=dtype)
+    model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
+    log.info("model_slice_loaded", source=source, dtype=str(dtype), duration_s=round(time.perf_counter() - t0, 3))
+    return model
+
+
+def stage_num_blocks(arch: ModelArch, num_layers: int, budget_mb: int, block_size: int, dtype: torch.dtype) -> int:
+    return num_blocks_for_budget(
+        budget_mb * 1024 * 1024,
+        block_size,
+        num_layers,
+        arch.num_kv_heads,
+        arch.head_dim,
+        torch.tensor([], dtype=dtype).element_size(),
+    )
+
+
+def build_runner(
+    model: LlamaModel,
+    *,
+    num_blocks: int,
+    block_size: int,
+    max_num_batched_tokens: int,
+    dtype: torch.dtype,
+    device: str,
+) -> ModelRunner:
+    kv_caches = allocate_kv_caches(
+        model.num_layers, num_blocks, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device
+    )
+    return ModelRunner(
+        model, kv_caches, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, device=device
+    )

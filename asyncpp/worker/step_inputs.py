@@ -1,0 +1,66 @@
+"""Turn a `StepPlan` into the model's inputs, written into persistent buffers.
+
+The buffers (`input_ids`, `positions`) are allocated once, sized by
+`max_num_batched_tokens`, and reused every step; per step only their first
+`num_tokens` rows are written. Index math is numpy vectorised over tokens;
+the only Python loops run over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.model.attention import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    num_tokens: int
+    input_ids: torch.Tensor  # [num_tokens] view of the persistent buffer
+    positions: torch.Tensor  # [num_tokens] view of the persistent buffer
+    attn_meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampling_reqs] last token row of each request that samples
+    sampling_req_ids: list[str]
+
+
+class StepInputBuffers:
+    def __init__(self, max_num_tokens: int, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.max_num_tokens = max_num_tokens
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        reqs = plan.scheduled
+        num_new = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
+        num_tokens = int(num_new.sum())
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"step {plan.step_id} has {num_tokens} tokens, more than max_num_batched_tokens {self.max_num_tokens}"
+            )
+        starts = np.fromiter((r.start_position for r in reqs), dtype=np.int64, count=len(reqs))
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_table = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            block_table[i, : len(r.block_ids)] = r.block_ids
+        meta, positions = AttentionMetadata.build(starts, num_new, block_table, self.block_size, self.device)
+
+        token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
+        self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
+
+        last_rows = np.cumsum(num_new) - 1
+        do_sample = np.fromiter((r.do_sample for r in reqs), dtype=bool, count=len(reqs))
+        return StepInputs(
+            num_tokens=num_tokens,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            attn_meta=meta,
+            logits_indices=torch.from_numpy(last_rows[do_sample]).to(self.device),
+            sampling_req_ids=[r.request_id for r, s in zip(reqs, do_sample) if s],
+        )
