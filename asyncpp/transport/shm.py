@@ -1,0 +1,75 @@
+"""Shared-memory ring on CPU: the receiver creates one segment, the sender maps it.
+
+Layout: `[num_slots, num_keys, max_num_tokens, hidden_size]` in the model
+dtype. Slot `step_id % num_slots` is safe to reuse because the engine keeps
+at most `num_slots` steps in flight and a step is complete only when every
+stage (so also the reader) has finished it.
+"""
+
+from __future__ import annotations
+
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+from asyncpp.model.intermediate import IntermediateTensors
+from asyncpp.transport.base import DTYPES, ActivationNotice, RingSpec, check_notice, register_transport
+
+
+def _ring_tensor(shm: shared_memory.SharedMemory, spec: RingSpec) -> torch.Tensor:
+    dtype = DTYPES[spec.dtype]
+    shape = (spec.num_slots, len(spec.keys), spec.max_num_tokens, spec.hidden_size)
+    numel = shape[0] * shape[1] * shape[2] * shape[3]
+    return torch.frombuffer(shm.buf, dtype=dtype, count=numel).view(shape)
+
+
+def ring_nbytes(spec: RingSpec) -> int:
+    elem = torch.tensor([], dtype=DTYPES[spec.dtype]).element_size()
+    return spec.num_slots * len(spec.keys) * spec.max_num_tokens * spec.hidden_size * elem
+
+
+class ShmReceiver:
+    def __init__(self, spec: RingSpec) -> None:
+        self.spec = spec
+        self._shm = shared_memory.SharedMemory(name=spec.name, create=True, size=ring_nbytes(spec))
+        self.ring = _ring_tensor(self._shm, spec)
+        self.ring.zero_()
+
+    def view(self, notice: ActivationNotice) -> IntermediateTensors:
+        check_notice(self.spec, notice)
+        slot = self.ring[notice.slot]
+        return IntermediateTensors({k: slot[i, : notice.num_tokens] for i, k in enumerate(self.spec.keys)})
+
+    def close(self) -> None:
+        del self.ring
+        self._shm.close()
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class ShmSender:
+    def __init__(self, spec: RingSpec) -> None:
+        self.spec = spec
+        self._shm = shared_memory.SharedMemory(name=spec.name, create=False)
+        # Python < 3.13 registers attached segments with the resource tracker too,
+        # which would unlink the receiver's segment when this process exits.
+        resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
+        self.ring = _ring_tensor(self._shm, spec)
+
+    def write(self, step_id: int, tensors: IntermediateTensors) -> ActivationNotice:
+        keys = list(tensors.keys())
+        notice = ActivationNotice(step_id, step_id % self.spec.num_slots, tensors.num_tokens, keys)
+        check_notice(self.spec, notice)  # refuse to write what the receiver would reject
+        slot = self.ring[notice.slot]
+        for i, key in enumerate(self.spec.keys):
+            slot[i, : notice.num_tokens].copy_(tensors[key])
+        return notice
+
+    def close(self) -> None:
+        del self.ring
+        self._shm.close()
+
+
+register_transport("shm", ShmReceiver, ShmSender)

@@ -1,0 +1,1 @@
+"""Wire format: typed dataclass messages <-> msgpack. Nothing is ever unpickled."""

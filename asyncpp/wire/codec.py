@@ -1,0 +1,130 @@
+"""Typed msgpack codec for dataclass messages.
+
+A frame is msgpack `[type_tag, {field: value}]`. Decoding looks the tag up
+in a registry of message classes and rebuilds the dataclass from its type
+hints, checking every field's type (nested dataclasses, lists, tuples,
+dicts, frozensets, optionals, unions of simple types). Anything unexpected
+raises `WireError` with the offending field named, so a bad frame from one
+peer becomes an error reply, never a crash or a silently wrong value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from functools import cache
+from typing import Any
+
+import msgpack
+
+
+class WireError(ValueError):
+    """A frame that does not decode into a known, well-typed message."""
+
+
+_REGISTRY: dict[str, type] = {}
+
+
+def message(tag: str):
+    """Class decorator registering a dataclass under a wire tag."""
+
+    def register(cls: type) -> type:
+        if tag in _REGISTRY:
+            raise ValueError(f"wire tag {tag!r} registered twice")
+        cls.WIRE_TAG = tag
+        _REGISTRY[tag] = cls
+        return cls
+
+    return register
+
+
+def encode(msg: Any) -> bytes:
+    tag = getattr(type(msg), "WIRE_TAG", None)
+    if tag is None:
+        raise TypeError(f"{type(msg).__name__} is not a registered wire message")
+    return msgpack.packb([tag, _to_plain(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes, max_bytes: int | None = None) -> Any:
+    if max_bytes is not None and len(frame) > max_bytes:
+        raise WireError(f"frame of {len(frame)} bytes is over the {max_bytes}-byte limit")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise WireError(f"malformed frame: {e}") from e
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict)):
+        raise WireError("frame must be [type_tag, {fields}]")
+    cls = _REGISTRY.get(obj[0])
+    if cls is None:
+        raise WireError(f"unknown message type {obj[0]!r}")
+    return _from_plain(cls, obj[1], cls.__name__)
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple, frozenset, set)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_plain(hint: Any, value: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise WireError(f"{where} must be a map, got {type(value).__name__}")
+        hints = _hints(hint)
+        names = {f.name for f in dataclasses.fields(hint)}
+        unknown = set(value) - names
+        if unknown:
+            raise WireError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+        kwargs = {k: _from_plain(hints[k], v, f"{where}.{k}") for k, v in value.items()}
+        try:
+            return hint(**kwargs)
+        except TypeError as e:  # a required field is missing
+            raise WireError(f"{where}: {e}") from e
+        except ValueError as e:  # the class's own validation
+            raise WireError(f"{where}: {e}") from e
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _from_plain(arg, value, where)
+            except WireError as e:
+                errors.append(str(e))
+        raise WireError(errors[0] if len(errors) == 1 else f"{where}: no type of {hint} matches {value!r:.80}")
+    if origin in (list, tuple, frozenset, set):
+        if not isinstance(value, list):
+            raise WireError(f"{where} must be a list, got {type(value).__name__}")
+        item = args[0] if args else Any
+        items = [_from_plain(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return origin(items) if origin is not list else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise WireError(f"{where} must be a map, got {type(value).__name__}")
+        key_t, val_t = args
+        return {_from_plain(key_t, k, f"{where} key"): _from_plain(val_t, v, f"{where}[{k!r}]") for k, v in value.items()}
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise WireError(f"{where} must be a number, got {type(value).__name__}")
+    if hint is int and isinstance(value, bool):
+        raise WireError(f"{where} must be an integer, got bool")
+    if isinstance(hint, type) and not isinstance(value, hint):
+        raise WireError(f"{where} must be {hint.__name__}, got {type(value).__name__}")
+    return value

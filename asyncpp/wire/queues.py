@@ -1,0 +1,133 @@
+"""Tiny queue classes around ZMQ sockets; the only place that imports `zmq`.
+
+Stages use the blocking `PushQueue` / `PullQueue`; the engine and clients use
+the asyncio variants. Every frame is encoded by `asyncpp.wire.codec`.
+`RouterQueue` (engine, one socket for all clients) hands back the peer id with
+each message or the `WireError` that frame raised, so one bad client never
+disturbs the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from asyncpp.wire.codec import WireError, decode, encode
+
+# ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
+_HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
+    if kind in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
+        sock.setsockopt(zmq.SNDHWM, 0)
+    if kind in (zmq.PULL, zmq.DEALER, zmq.ROUTER):
+        sock.setsockopt(zmq.RCVHWM, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class PushQueue:
+    def __init__(self, address: str, bind: bool = False) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = _socket(self._ctx, zmq.PUSH, address, bind)
+
+    def put(self, msg: Any) -> None:
+        self._sock.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class PullQueue:
+    def __init__(self, address: str, bind: bool = False) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sock = _socket(self._ctx, zmq.PULL, address, bind)
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """Next message; `TimeoutError` if none arrives within `timeout_s`."""
+        if timeout_s is not None and not self._sock.poll(int(timeout_s * 1000)):
+            raise TimeoutError(f"no message within {timeout_s} s")
+        return decode(self._sock.recv(copy=True))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class AsyncPushQueue:
+    def __init__(self, address: str, bind: bool = False) -> None:
+        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.PUSH, address, bind)
+
+    async def put(self, msg: Any) -> None:
+        await self._sock.send(encode(msg), copy=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class AsyncPullQueue:
+    def __init__(self, address: str, bind: bool = False) -> None:
+        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.PULL, address, bind)
+
+    async def get(self) -> Any:
+        return decode(await self._sock.recv(copy=True))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class RouterQueue:
+    """Engine side of the client channel: many peers on one bound socket."""
+
+    def __init__(self, address: str, max_frame_bytes: int) -> None:
+        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.ROUTER, address, bind=True)
+        self.max_frame_bytes = max_frame_bytes
+
+    @property
+    def address(self) -> str:
+        return self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    async def get(self) -> tuple[bytes, Any]:
+        """(peer id, message), or (peer id, WireError) for a frame that did not decode."""
+        frames = await self._sock.recv_multipart(copy=True)
+        peer, payload = frames[0], frames[-1]
+        if len(frames) != 2:
+            return peer, WireError(f"expected one frame per message, got {len(frames) - 1}")
+        try:
+            return peer, decode(payload, self.max_frame_bytes)
+        except WireError as e:
+            return peer, e
+
+    async def put(self, peer: bytes, msg: Any) -> None:
+        await self._sock.send_multipart([peer, encode(msg)], copy=False)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class DealerQueue:
+    """Client side of the client channel."""
+
+    def __init__(self, address: str) -> None:
+        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.DEALER, address, bind=False)
+
+    async def put(self, msg: Any) -> None:
+        await self._sock.send(encode(msg), copy=False)
+
+    async def put_raw(self, payload: bytes) -> None:
+        """Send bytes as they are (tests use it to send malformed frames)."""
+        await self._sock.send(payload, copy=False)
+
+    async def get(self) -> Any:
+        return decode(await self._sock.recv(copy=True))
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,55 @@
+"""Engine <-> stage channel: start-up info, ready-acks, step plans, stage outputs.
+
+The plan channel carries `StepPlan` itself (registered here) and
+`Shutdown`; stages answer with `StageReady` once and a `StageOutput` for
+every step. A stage that fails a step sends `StageOutput` with `error` set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.transport.base import RingSpec
+from asyncpp.wire.codec import message
+from asyncpp.worker.outputs import ModelRunnerOutput
+
+message("step_plan")(StepPlan)
+
+
+@message("stage_ready")
+@dataclass(frozen=True)
+class StageReady:
+    pp_rank: int
+    pid: int
+    start_layer: int
+    end_layer: int
+    num_kv_blocks: int  # what this stage's budget holds; the engine uses the smallest
+    recv_ring: RingSpec | None  # None on stage 0 (it receives token ids, not activations)
+    load_time_s: float
+
+
+@message("stage_start")
+@dataclass(frozen=True)
+class StageStart:
+    """Engine -> stage after every stage is ready: the agreed block count and the peer ring."""
+
+    num_kv_blocks: int
+    send_ring: RingSpec | None  # the next stage's ring; None on the last stage
+
+
+@message("stage_output")
+@dataclass(frozen=True)
+class StageOutput:
+    step_id: int
+    pp_rank: int
+    output: ModelRunnerOutput = field(default_factory=ModelRunnerOutput)
+    busy_s: float = 0.0  # time this stage spent computing the step
+    handoff_us: float = 0.0  # time to write the activations into the next stage's slot
+    error: str | None = None
+
+
+@message("shutdown")
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
