@@ -84,11 +84,23 @@ class AsyncPullQueue:
         self._sock.close(linger=0)
 
 
+class PeerGoneError(ConnectionError):
+    """The client this message was for has disconnected."""
+
+
 class RouterQueue:
     """Engine side of the client channel: many peers on one bound socket."""
 
     def __init__(self, address: str, max_frame_bytes: int) -> None:
-        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.ROUTER, address, bind=True)
+        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        # Sending to a disconnected peer raises instead of dropping silently: that is
+        # how the engine learns a client went away and aborts its requests.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(address)
         self.max_frame_bytes = max_frame_bytes
 
     @property
@@ -107,7 +119,12 @@ class RouterQueue:
             return peer, e
 
     async def put(self, peer: bytes, msg: Any) -> None:
-        await self._sock.send_multipart([peer, encode(msg)], copy=False)
+        try:
+            await self._sock.send_multipart([peer, encode(msg)], copy=False)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                raise PeerGoneError(f"client {peer.hex()} is gone") from e
+            raise
 
     def close(self) -> None:
         self._sock.close(linger=0)

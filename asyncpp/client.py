@@ -1,0 +1,135 @@
+"""`AsyncClient`: talk to a running asyncpp engine.
+
+    client = AsyncClient("tcp://127.0.0.1:5557")
+    async for delta in client.generate("Hello", SamplingParams(max_tokens=32)):
+        print(delta.text, end="")
+
+Many `generate` calls can run concurrently over one client: a single reader
+task routes replies by request id. Breaking out of the loop, or cancelling the
+task, aborts the request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from asyncpp.errors import EngineDeadError, InvalidRequestError
+from asyncpp.sampling.params import SamplingParams
+from asyncpp.wire.client_msgs import (
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    RequestDelta,
+    StatsReply,
+    StatsRequest,
+)
+from asyncpp.wire.queues import DealerQueue
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed a request for a reason other than bad input."""
+
+
+class AsyncClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._queue = DealerQueue(address)
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._nonces = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self.unrouted_errors: list[ErrorReply] = []  # errors about frames, not requests
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await self._queue.get()
+            if isinstance(msg, (RequestDelta, ErrorReply)) and msg.request_id in self._streams:
+                self._streams[msg.request_id].put_nowait(msg)
+            elif isinstance(msg, (HealthReply, StatsReply)) and msg.nonce in self._replies:
+                fut = self._replies.pop(msg.nonce)
+                if not fut.done():
+                    fut.set_result(msg)
+            elif isinstance(msg, ErrorReply):
+                self.unrouted_errors.append(msg)
+
+    async def generate(
+        self,
+        prompt: str | list[int] | list[dict[str, str]],
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestDelta]:
+        """Stream deltas (text, token ids, finish reason, logprobs) until the request finishes."""
+        self._ensure_reader()
+        request_id = request_id or uuid.uuid4().hex
+        if isinstance(sampling_params, SamplingParams):
+            params = sampling_params.to_dict()
+        else:
+            params = dict(sampling_params or {})
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self._queue.put(GenerateRequest(request_id, prompt, params))
+            while True:
+                msg = await stream.get()
+                if isinstance(msg, ErrorReply):
+                    finished = True
+                    raise _error_from(msg)
+                finished = msg.finished
+                yield msg
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the caller broke out or was cancelled: free it in the engine
+                try:
+                    await self._queue.put(AbortRequest(request_id))
+                except Exception:  # noqa: BLE001 - the socket may be closed already
+                    pass
+
+    async def abort(self, request_id: str) -> None:
+        await self._queue.put(AbortRequest(request_id))
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        reply = await self._call(HealthRequest, timeout_s)
+        return reply.is_healthy
+
+    async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        reply = await self._call(StatsRequest, timeout_s)
+        return reply.stats
+
+    async def _call(self, cls: type, timeout_s: float) -> Any:
+        self._ensure_reader()
+        nonce = next(self._nonces)
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[nonce] = fut
+        await self._queue.put(cls(nonce))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._replies.pop(nonce, None)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._queue.close()
+
+
+def _error_from(msg: ErrorReply) -> Exception:
+    if msg.kind == "invalid_request":
+        return InvalidRequestError(msg.field or "request", msg.message)
+    if msg.kind == "engine_dead":
+        return EngineDeadError(msg.message)
+    return RequestFailedError(f"{msg.kind}: {msg.message}")

@@ -1,0 +1,152 @@
+"""`python -m asyncpp.launch --config FILE`: start the engine and its stages, serve clients.
+
+The composition root: the only place that sees the whole config. It spawns
+one process per pipeline stage, waits for every ready-ack (the engine uses the
+smallest KV capacity any stage reports), prints where clients connect and
+serves until Ctrl-C / SIGTERM (drain within the grace period) or until a
+stage dies (exit 1). Children are always reaped and shared memory unlinked.
+With `--prompt`, it streams one chat answer through `AsyncClient` and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+import torch
+import uvloop
+
+from asyncpp.client import AsyncClient
+from asyncpp.config import EngineConfig, load_config
+from asyncpp.engine.engine import EngineCapacity, EngineCore, resolve_capacity
+from asyncpp.logging import configure_logging, get_logger
+from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.engine_server import EngineServer
+from asyncpp.runtime.stage_group import StageGroup
+from asyncpp.runtime.stage_process import StageArgs
+from asyncpp.sampling.params import SamplingParams
+from asyncpp.tokenizer.tokenizer import load_tokenizer
+from asyncpp.weights import read_arch
+from asyncpp.wire.queues import RouterQueue
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024
+STAGE_READY_TIMEOUT_S = 600.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m asyncpp.launch", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="deployment TOML file (see configs/)")
+    ap.add_argument("--log-format", choices=("console", "json"), default="console")
+    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-file", help="write JSON log lines of every process to this file")
+    ap.add_argument("--port", type=int, help="override server.port (0 = any free port)")
+    ap.add_argument("--prompt", help="one-shot: stream one chat answer to this prompt, then exit")
+    ap.add_argument("--max-tokens", type=int, default=128, help="one-shot answer length limit")
+    return ap.parse_args(argv)
+
+
+def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: RunAddresses, ns) -> list[StageArgs]:
+    pp_size = len(capacity.layer_ranges)
+    return [
+        StageArgs(
+            pp_rank=rank,
+            pp_size=pp_size,
+            start_layer=start,
+            end_layer=end,
+            model_source=config.model.source,
+            model_path=config.model.path_or_none,
+            dtype=config.model.dtype,
+            device=config.model.device,
+            num_threads=config.parallel.num_threads,
+            block_size=config.cache.block_size,
+            kv_cache_memory_mb=config.cache.kv_cache_memory_mb,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            num_ring_slots=pp_size + 1,
+            transport="shm",
+            addresses=addresses,
+            log_format=ns.log_format,
+            log_level=ns.log_level,
+            log_file=ns.log_file,
+        )
+        for rank, (start, end) in enumerate(capacity.layer_ranges)
+    ]
+
+
+async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
+    log = get_logger(role="launch")
+    torch.set_num_threads(1)  # the engine process schedules; the stages compute
+    arch = read_arch(config.model.source, config.model.path_or_none)
+    capacity = resolve_capacity(config, arch)
+    addresses = RunAddresses.create()
+    stages = StageGroup(stage_args_for(config, capacity, addresses, ns), addresses)
+    server = None
+    try:
+        stages.start()
+        tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
+        t0 = time.monotonic()
+        readies = await stages.wait_ready(STAGE_READY_TIMEOUT_S)
+        num_blocks = min(r.num_kv_blocks for r in readies)
+        capacity = EngineCapacity(num_blocks, capacity.block_size, capacity.max_model_len, capacity.layer_ranges)
+        await stages.start_stages(num_blocks)
+        core = EngineCore(config, arch, tokenizer, capacity)
+        port = config.server.port if ns.port is None else ns.port
+        router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
+        server = EngineServer(core, stages, router, grace_period_s=config.server.grace_period_s)
+        log.info(
+            "engine_ready",
+            address=router.address,
+            pp_size=stages.pp_size,
+            layer_ranges=capacity.layer_ranges,
+            num_kv_blocks=num_blocks,
+            startup_s=round(time.monotonic() - t0, 2),
+        )
+        print(f"asyncpp ready: clients connect to {router.address}", file=sys.stderr, flush=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain_and_stop()))
+        serving = asyncio.create_task(server.serve())
+        if ns.prompt is not None:
+            ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
+            if not server.is_dead:
+                await server.drain_and_stop()
+            code = await serving
+            return code if ok else 1
+        return await serving
+    finally:
+        if server is not None:
+            server.router.close()
+        await stages.shutdown()
+        log.info("engine_stopped")
+
+
+async def one_shot(address: str, prompt: str, max_tokens: int) -> bool:
+    client = AsyncClient(address)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        async for out in client.generate([{"role": "user", "content": prompt}], params):
+            print(out.text, end="", flush=True)
+        print(flush=True)
+        return True
+    except Exception as e:  # noqa: BLE001 - reported, and the exit code says it failed
+        print(f"\nerror: {e}", file=sys.stderr, flush=True)
+        return False
+    finally:
+        client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    configure_logging(ns.log_format, ns.log_level, ns.log_file)
+    try:
+        config = load_config(ns.config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return uvloop.run(run(config, ns))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The multi-process pipeline runtime: stage processes, the engine loop, launch wiring."""

@@ -1,0 +1,38 @@
+"""Where the processes of one run talk: ipc:// paths in a private run directory."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunAddresses:
+    run_id: str
+    run_dir: str
+
+    @staticmethod
+    def create() -> "RunAddresses":
+        run_id = uuid.uuid4().hex[:12]
+        run_dir = tempfile.mkdtemp(prefix=f"asyncpp-{run_id}-")
+        os.chmod(run_dir, 0o700)
+        return RunAddresses(run_id, run_dir)
+
+    def plan(self, pp_rank: int) -> str:
+        return f"ipc://{self.run_dir}/plan-{pp_rank}"
+
+    def activations(self, pp_rank: int) -> str:
+        return f"ipc://{self.run_dir}/act-{pp_rank}"
+
+    @property
+    def stage_outputs(self) -> str:
+        return f"ipc://{self.run_dir}/outputs"
+
+    def ring_name(self, pp_rank: int) -> str:
+        # POSIX shm names are short; the run id keeps concurrent runs apart.
+        return f"asyncpp-{self.run_id}-ring{pp_rank}"
+
+    def ring_names(self, pp_size: int) -> list[str]:
+        return [self.ring_name(rank) for rank in range(1, pp_size)]

@@ -1,0 +1,313 @@
+"""`EngineServer`: the engine process's asyncio loop over the pipeline stages.
+
+Four tasks share one loop and never block it:
+* clients: decode requests (bad frames get an `ErrorReply`), validate, route deltas;
+* schedule: keep up to `max_in_flight` (= pp_size + 1) steps in flight, each a
+  disjoint cohort, dispatching as soon as the window has room;
+* outputs: collect one `StageOutput` per stage per step, matched by step_id,
+  and complete a step only when every stage has reported it;
+* watchdog: a dead stage fails every request with an engine-dead error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.core.request import RequestStatus
+from asyncpp.engine.engine import EngineCore
+from asyncpp.engine.outputs import RequestOutput
+from asyncpp.errors import InvalidRequestError
+from asyncpp.logging import get_logger
+from asyncpp.runtime.stage_group import StageGroup
+from asyncpp.sampling.params import SamplingParams
+from asyncpp.wire.client_msgs import (
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    RequestDelta,
+    StatsReply,
+    StatsRequest,
+)
+from asyncpp.wire.codec import WireError
+from asyncpp.wire.queues import PeerGoneError, RouterQueue
+from asyncpp.wire.stage_msgs import StageOutput
+
+
+@dataclass
+class _InFlightStep:
+    plan: StepPlan
+    dispatched_at: float
+    outputs: dict[int, StageOutput] = field(default_factory=dict)
+
+
+class EngineServer:
+    def __init__(
+        self, core: EngineCore, stages: StageGroup, router: RouterQueue, *, grace_period_s: float = 5.0
+    ) -> None:
+        self.core = core
+        self.stages = stages
+        self.router = router
+        self.pp_size = stages.pp_size
+        self.max_in_flight = self.pp_size + 1
+        self.grace_period_s = grace_period_s
+        self.in_flight: dict[int, _InFlightStep] = {}
+        self.peer_of: dict[str, bytes] = {}
+        self.log = get_logger(role="engine", pp_rank=None)
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self.is_dead = False
+        self.is_draining = False
+        self.exit_code = 0
+        self.started_at = time.monotonic()
+        self.num_steps = 0
+        self.stage_busy_s = [0.0] * self.pp_size
+        self.handoff_us: list[collections.deque] = [collections.deque(maxlen=10000) for _ in range(self.pp_size)]
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def serve(self) -> int:
+        tasks = [
+            asyncio.create_task(self._client_loop(), name="clients"),
+            asyncio.create_task(self._output_loop(), name="outputs"),
+            asyncio.create_task(self._schedule_loop(), name="schedule"),
+            asyncio.create_task(self._watchdog(), name="watchdog"),
+        ]
+        await self._stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return self.exit_code
+
+    async def drain_and_stop(self) -> None:
+        """Ctrl-C / SIGTERM: refuse new work, let running requests finish within the grace period."""
+        if self.is_draining or self._stop.is_set():
+            return
+        self.is_draining = True
+        self.log.info("engine_draining", num_unfinished=len(self.peer_of), grace_period_s=self.grace_period_s)
+        deadline = time.monotonic() + self.grace_period_s
+        while self.peer_of and time.monotonic() < deadline and not self.is_dead:
+            await asyncio.sleep(0.02)
+        for request_id in list(self.peer_of):
+            self.core.abort(request_id)
+            await self._send_error(request_id, "engine shut down before the request finished", "shutdown")
+        self._stop.set()
+
+    def stop(self, exit_code: int = 0) -> None:
+        self.exit_code = exit_code
+        self._stop.set()
+
+    # ---- clients ---------------------------------------------------------------------------
+    async def _client_loop(self) -> None:
+        while True:
+            peer, msg = await self.router.get()
+            try:
+                await self._handle_client_msg(peer, msg)
+            except PeerGoneError:
+                await self._drop_peer(peer)
+
+    async def _handle_client_msg(self, peer: bytes, msg: Any) -> None:
+        if isinstance(msg, WireError):
+            self.log.warning("bad_frame", peer=peer.hex(), error=str(msg))
+            await self.router.put(peer, ErrorReply(None, str(msg), "bad_frame"))
+        elif isinstance(msg, GenerateRequest):
+            await self._add_request(peer, msg)
+        elif isinstance(msg, AbortRequest):
+            if self.peer_of.get(msg.request_id) == peer:
+                await self._finish_abort(msg.request_id)
+        elif isinstance(msg, HealthRequest):
+            await self.router.put(peer, HealthReply(msg.nonce, not self.is_dead))
+        elif isinstance(msg, StatsRequest):
+            await self.router.put(peer, StatsReply(msg.nonce, self.stats()))
+        else:
+            await self.router.put(peer, ErrorReply(None, f"unexpected message {type(msg).__name__}", "bad_frame"))
+
+    async def _add_request(self, peer: bytes, msg: GenerateRequest) -> None:
+        if self.is_dead:
+            await self.router.put(peer, ErrorReply(msg.request_id, "engine is dead", "engine_dead"))
+            return
+        if self.is_draining:
+            await self.router.put(peer, ErrorReply(msg.request_id, "engine is shutting down", "shutdown"))
+            return
+        try:
+            try:
+                params = SamplingParams.from_dict(msg.sampling_params)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError("sampling_params", str(e)) from e
+            loop = asyncio.get_running_loop()
+            if isinstance(msg.prompt, str) and len(msg.prompt) > 20000:
+                # Tokenizing a huge prompt must not stall every other request.
+                prompt_ids = await loop.run_in_executor(None, self.core.tokenizer.encode, msg.prompt)
+                self.core.add_request(prompt_ids, params, msg.request_id)
+            else:
+                self.core.add_request(msg.prompt, params, msg.request_id)
+        except InvalidRequestError as e:
+            self.log.info("request_rejected", request_id=msg.request_id, error=str(e))
+            await self.router.put(peer, ErrorReply(msg.request_id, str(e), "invalid_request", e.field))
+            return
+        self.peer_of[msg.request_id] = peer
+        self._wake.set()
+
+    async def _finish_abort(self, request_id: str) -> None:
+        out = self.core.abort(request_id)
+        self.peer_of.pop(request_id, None)
+        self._wake.set()
+        return out
+
+    async def _drop_peer(self, peer: bytes) -> None:
+        gone = [rid for rid, p in self.peer_of.items() if p == peer]
+        for rid in gone:
+            await self._finish_abort(rid)
+        if gone:
+            self.log.info("client_gone", peer=peer.hex(), num_aborted=len(gone))
+
+    async def _send_error(self, request_id: str, message: str, kind: str) -> None:
+        peer = self.peer_of.pop(request_id, None)
+        if peer is None:
+            return
+        try:
+            await self.router.put(peer, ErrorReply(request_id, message, kind))
+        except PeerGoneError:
+            pass
+
+    async def _deliver(self, outputs: list[RequestOutput]) -> None:
+        gone: set[bytes] = set()
+        for out in outputs:
+            peer = self.peer_of.get(out.request_id)
+            if peer is None:
+                continue
+            if out.finished:
+                del self.peer_of[out.request_id]
+            try:
+                await self.router.put(peer, _to_delta(out))
+            except PeerGoneError:
+                gone.add(peer)
+        for peer in gone:
+            await self._drop_peer(peer)
+
+    # ---- scheduling ------------------------------------------------------------------------
+    async def _schedule_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while len(self.in_flight) < self.max_in_flight and not self.is_dead:
+                plan = self.core.scheduler.schedule(max_num_reqs=self._cohort_size())
+                if plan is None:
+                    break
+                self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
+                await self.stages.broadcast(plan)
+                self.log.debug(
+                    "step_dispatched", step_id=plan.step_id, num_reqs=plan.num_reqs, num_tokens=plan.num_tokens
+                )
+
+    def _cohort_size(self) -> int:
+        # Spread the live requests over pp_size steps so every stage has work (disjoint cohorts).
+        num_live = self.core.scheduler.num_running + self.core.scheduler.num_waiting
+        return max(1, math.ceil(num_live / self.pp_size))
+
+    # ---- stage outputs ---------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        while True:
+            out = await self.stages.outputs.get()
+            if not isinstance(out, StageOutput):
+                continue
+            step = self.in_flight.get(out.step_id)
+            if step is None:
+                self.log.warning("unknown_step_output", step_id=out.step_id, pp_rank=out.pp_rank)
+                continue
+            step.outputs[out.pp_rank] = out
+            self.stage_busy_s[out.pp_rank] += out.busy_s
+            if out.pp_rank < self.pp_size - 1 and out.error is None:
+                self.handoff_us[out.pp_rank].append(out.handoff_us)
+            if len(step.outputs) == self.pp_size:
+                await self._complete(step)
+
+    async def _complete(self, step: _InFlightStep) -> None:
+        del self.in_flight[step.plan.step_id]
+        self.num_steps += 1
+        errors = [o.error for o in step.outputs.values() if o.error]
+        if errors:
+            self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
+            self.core.scheduler.update_from_output(step.plan, {})
+            for r in step.plan.scheduled:
+                self.core.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+                self.core.output_processor.abort(r.request_id, "error", errors[0])
+                await self._send_error(r.request_id, errors[0], "internal")
+        else:
+            results = self.core.process_output(step.plan, step.outputs[self.pp_size - 1].output)
+            await self._deliver(results)
+        self.log.debug(
+            "step_completed",
+            step_id=step.plan.step_id,
+            num_reqs=step.plan.num_reqs,
+            num_tokens=step.plan.num_tokens,
+            duration_ms=round((time.monotonic() - step.dispatched_at) * 1e3, 3),
+        )
+        self._wake.set()
+
+    # ---- failure ---------------------------------------------------------------------------
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            dead = self.stages.dead_stages()
+            if dead:
+                await self._engine_dead(dead)
+                return
+
+    async def _engine_dead(self, dead: list[int]) -> None:
+        self.is_dead = True
+        self.log.error("stage_died", dead_pp_ranks=dead, num_failed_requests=len(self.peer_of))
+        message = f"engine is dead: stage(s) {dead} exited"
+        for request_id in list(self.peer_of):
+            self.core.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            self.core.output_processor.abort(request_id, "error", message)
+            await self._send_error(request_id, message, "engine_dead")
+        self.in_flight.clear()
+        self.stop(exit_code=1)
+
+    # ---- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        sched = self.core.scheduler
+        bm = self.core.block_manager
+        uptime = time.monotonic() - self.started_at
+        return {
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "num_in_flight_steps": len(self.in_flight),
+            "num_steps": self.num_steps,
+            "kv_usage": bm.usage,
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            "uptime_s": uptime,
+            "stage_busy_s": list(self.stage_busy_s),
+            "handoff_us_p50": [_percentile(h, 50) for h in self.handoff_us[:-1]],
+            "handoff_us_p99": [_percentile(h, 99) for h in self.handoff_us[:-1]],
+            "is_dead": self.is_dead,
+        }
+
+
+def _percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def _to_delta(out: RequestOutput) -> RequestDelta:
+    return RequestDelta(
+        request_id=out.request_id,
+        text=out.text,
+        token_ids=out.token_ids,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        logprobs=out.logprobs,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )

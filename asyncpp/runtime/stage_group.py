@@ -1,0 +1,106 @@
+"""`StageGroup`: spawn the stage processes, collect ready-acks, reap them, clean up.
+
+Owns the child processes and the names of their shared-memory rings, so that
+whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
+and every segment unlinked.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import time
+from multiprocessing import shared_memory
+
+from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.stage_process import StageArgs, stage_main
+from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
+from asyncpp.wire.stage_msgs import Shutdown, StageReady, StageStart
+
+
+class StageDiedError(RuntimeError):
+    pass
+
+
+class StageGroup:
+    def __init__(self, stage_args: list[StageArgs], addresses: RunAddresses) -> None:
+        self.stage_args = stage_args
+        self.addresses = addresses
+        self.pp_size = len(stage_args)
+        # The engine binds its ends first so stages can connect in any order.
+        self.plan_queues = [AsyncPushQueue(addresses.plan(a.pp_rank), bind=True) for a in stage_args]
+        self.outputs = AsyncPullQueue(addresses.stage_outputs, bind=True)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=stage_main, args=(a,), name=f"asyncpp-stage-{a.pp_rank}") for a in stage_args]
+        self.readies: list[StageReady] = []
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def dead_stages(self) -> list[int]:
+        return [rank for rank, p in enumerate(self.procs) if p.exitcode is not None]
+
+    async def wait_ready(self, timeout_s: float) -> list[StageReady]:
+        """Collect one `StageReady` per stage; raise if a stage dies or time runs out."""
+        import asyncio
+
+        readies: dict[int, StageReady] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(readies) < self.pp_size:
+            if self.dead_stages():
+                raise StageDiedError(f"stage(s) {self.dead_stages()} died during start-up")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"stages not ready within {timeout_s} s")
+            try:
+                msg = await asyncio.wait_for(self.outputs.get(), timeout=min(remaining, 0.2))
+            except asyncio.TimeoutError:
+                continue
+            if isinstance(msg, StageReady):
+                readies[msg.pp_rank] = msg
+        self.readies = [readies[r] for r in range(self.pp_size)]
+        return self.readies
+
+    async def start_stages(self, num_kv_blocks: int) -> None:
+        for rank, q in enumerate(self.plan_queues):
+            send_ring = self.readies[rank + 1].recv_ring if rank + 1 < self.pp_size else None
+            await q.put(StageStart(num_kv_blocks, send_ring))
+
+    async def broadcast(self, msg) -> None:
+        for q in self.plan_queues:
+            await q.put(msg)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        import asyncio
+
+        try:
+            await self.broadcast(Shutdown("engine stopping"))
+        except Exception:  # noqa: BLE001 - best effort; we terminate below anyway
+            pass
+        deadline = time.monotonic() + timeout_s
+        while any(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.reap()
+
+    def reap(self) -> None:
+        """Terminate, then kill, whatever still runs; unlink every ring; remove the run dir."""
+        for p in self.procs:
+            if p.exitcode is None:
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=2.0)
+        for name in self.addresses.ring_names(self.pp_size):
+            try:
+                seg = shared_memory.SharedMemory(name=name)
+            except FileNotFoundError:
+                continue
+            seg.close()
+            seg.unlink()
+        for q in self.plan_queues:
+            q.close()
+        self.outputs.close()
+        shutil.rmtree(self.addresses.run_dir, ignore_errors=True)

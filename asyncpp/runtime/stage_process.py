@@ -1,0 +1,189 @@
+"""A pipeline stage process: load its slice, ack ready, then run plans until shutdown.
+
+Per step: take the plan (engine -> every stage, in step order), take the
+activation notice from the previous stage (same order), run
+`execute_model`; a non-last stage writes its activations into the next
+stage's ring slot, sends the notice and reports
+`ModelRunnerOutput.with_kv_conn_output_only(...)`; the last stage runs
+`sample_tokens`. Every stage reports a `StageOutput` for every step, also a
+failed one (with `error` set), so the engine always completes the step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.logging import configure_logging, get_logger
+from asyncpp.model.intermediate import INTERMEDIATE_KEYS
+from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.transport import ActivationNotice, RingSpec, get_transport
+from asyncpp.weights import read_arch
+from asyncpp.wire.queues import PullQueue, PushQueue
+from asyncpp.wire.stage_msgs import Shutdown, StageOutput, StageReady, StageStart
+from asyncpp.worker.model_runner import ModelRunner
+from asyncpp.worker.outputs import ModelRunnerOutput
+from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
+
+
+@dataclass(frozen=True)
+class StageArgs:
+    pp_rank: int
+    pp_size: int
+    start_layer: int
+    end_layer: int
+    model_source: str
+    model_path: str | None
+    dtype: str
+    device: str
+    num_threads: int
+    block_size: int
+    kv_cache_memory_mb: int
+    max_num_batched_tokens: int
+    num_ring_slots: int
+    transport: str
+    addresses: RunAddresses
+    log_format: str = "console"
+    log_level: str = "info"
+    log_file: str | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def stage_main(args: StageArgs) -> None:
+    """Entry point of a spawned stage process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
+    configure_logging(args.log_format, args.log_level, args.log_file)
+    torch.set_num_threads(args.num_threads)
+    log = get_logger(role="stage", pp_rank=args.pp_rank)
+    stage = Stage(args, log)
+    try:
+        stage.serve()
+    finally:
+        stage.close()
+    log.info("stage_stopped")
+
+
+class Stage:
+    def __init__(self, args: StageArgs, log) -> None:
+        self.args = args
+        self.log = log
+        self.plans = PullQueue(args.addresses.plan(args.pp_rank))
+        self.outputs = PushQueue(args.addresses.stage_outputs)
+        self.acts_in = PullQueue(args.addresses.activations(args.pp_rank), bind=True) if not args.is_first else None
+        self.acts_out = PushQueue(args.addresses.activations(args.pp_rank + 1)) if not args.is_last else None
+        self.receiver = None
+        self.sender = None
+        self.runner: ModelRunner | None = None
+
+    def serve(self) -> None:
+        start = self._start_up()
+        self._build_runner(start)
+        while True:
+            msg = self.plans.get()
+            if isinstance(msg, Shutdown):
+                return
+            self.outputs.put(self._run_step(msg))
+
+    def _start_up(self) -> StageStart:
+        a = self.args
+        t0 = time.time()
+        arch = read_arch(a.model_source, a.model_path)
+        dtype = torch_dtype(a.dtype)
+        self.model = build_model_slice(a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device)
+        recv_spec = None
+        if not a.is_first:
+            recv_spec = RingSpec(
+                transport=a.transport,
+                name=a.addresses.ring_name(a.pp_rank),
+                keys=list(INTERMEDIATE_KEYS),
+                num_slots=a.num_ring_slots,
+                max_num_tokens=a.max_num_batched_tokens,
+                hidden_size=arch.hidden_size,
+                dtype=a.dtype,
+            )
+            self.receiver = get_transport(a.transport).create_receiver(recv_spec)
+        num_blocks = stage_num_blocks(arch, a.end_layer - a.start_layer, a.kv_cache_memory_mb, a.block_size, dtype)
+        load_time_s = time.time() - t0
+        self.outputs.put(
+            StageReady(a.pp_rank, os.getpid(), a.start_layer, a.end_layer, num_blocks, recv_spec, load_time_s)
+        )
+        self.log.info("stage_ready", num_kv_blocks=num_blocks, load_time_s=round(load_time_s, 3))
+        start = self.plans.get()
+        if isinstance(start, Shutdown):
+            raise SystemExit(0)
+        if not isinstance(start, StageStart):
+            raise RuntimeError(f"expected StageStart, got {type(start).__name__}")
+        return start
+
+    def _build_runner(self, start: StageStart) -> None:
+        a = self.args
+        self.runner = build_runner(
+            self.model,
+            num_blocks=start.num_kv_blocks,
+            block_size=a.block_size,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            dtype=torch_dtype(a.dtype),
+            device=a.device,
+        )
+        if start.send_ring is not None:
+            self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
+
+    def _run_step(self, plan: StepPlan) -> StageOutput:
+        log = self.log.bind(step_id=plan.step_id)
+        handoff_us, error = 0.0, None
+        output = ModelRunnerOutput()
+        t0 = time.time()
+        try:
+            intermediate = None
+            if self.acts_in is not None:
+                notice = self.acts_in.get()
+                t0 = time.time()  # waiting for the previous stage is not busy time
+                if notice.step_id != plan.step_id:
+                    raise RuntimeError(f"activation notice for step {notice.step_id} while running step {plan.step_id}")
+                intermediate = self.receiver.view(notice)
+            result = self.runner.execute_model(plan, intermediate)
+            if self.args.is_last:
+                output = self.runner.sample_tokens()
+            else:
+                t_handoff = time.perf_counter()
+                self.acts_out.put(self.sender.write(plan.step_id, result))
+                handoff_us = (time.perf_counter() - t_handoff) * 1e6
+                output = ModelRunnerOutput.with_kv_conn_output_only(None)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
+            error = f"stage {self.args.pp_rank}: {type(e).__name__}: {e}"
+            log.error("step_failed", error=error)
+            if self.runner is not None:
+                self.runner.execute_state = None
+            if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
+                self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
+        t1 = time.time()
+        log.debug(
+            "stage_done",
+            num_tokens=plan.num_tokens,
+            num_reqs=plan.num_reqs,
+            start_us=int(t0 * 1e6),
+            end_us=int(t1 * 1e6),
+            busy_ms=round((t1 - t0) * 1e3, 3),
+            handoff_us=round(handoff_us, 1),
+        )
+        return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
+
+    def close(self) -> None:
+        for closable in (self.sender, self.receiver):
+            if closable is not None:
+                closable.close()
+        for q in (self.plans, self.outputs, self.acts_in, self.acts_out):
+            if q is not None:
+                q.close()
