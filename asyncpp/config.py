@@ -68,10 +68,13 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_mb: int = 256  # budget for K and V of this stage's layers
     enable_prefix_caching: bool = True
+    num_kv_blocks_override: int = 0  # > 0: use exactly this many blocks (tests, debugging)
 
     def __post_init__(self) -> None:
         _positive("cache.block_size", self.block_size)
         _positive("cache.kv_cache_memory_mb", self.kv_cache_memory_mb)
+        if self.num_kv_blocks_override < 0:
+            raise ConfigError(f"cache.num_kv_blocks_override must be >= 0, got {self.num_kv_blocks_override}")
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
         t0 = time.monotonic()
         readies = await stages.wait_ready(STAGE_READY_TIMEOUT_S)
-        num_blocks = min(r.num_kv_blocks for r in readies)
+        num_blocks = config.cache.num_kv_blocks_override or min(r.num_kv_blocks for r in readies)
         capacity = EngineCapacity(num_blocks, capacity.block_size, capacity.max_model_len, capacity.layer_ranges)
         await stages.start_stages(num_blocks)
         core = EngineCore(config, arch, tokenizer, capacity)

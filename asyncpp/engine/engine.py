@@ -53,7 +53,7 @@ def resolve_capacity(config: EngineConfig, arch: ModelArch) -> EngineCapacity:
         )
     ranges = compute_layer_ranges(arch.num_layers, config.parallel.pp_size, config.parallel.layer_split)
     dtype = torch_dtype(config.model.dtype)
-    num_blocks = min(
+    num_blocks = config.cache.num_kv_blocks_override or min(
         stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, dtype)
         for start, end in ranges
     )
