@@ -28,7 +28,7 @@ from asyncpp.runtime.engine_server import EngineServer
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.tokenizer.tokenizer import load_tokenizer
+from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import RouterQueue
 

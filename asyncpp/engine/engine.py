@@ -29,7 +29,7 @@ from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.split import compute_layer_ranges
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.tokenizer.tokenizer import load_tokenizer
+from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype

