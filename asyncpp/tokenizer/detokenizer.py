@@ -1,0 +1,118 @@
+"""`IncrementalDetokenizer`: stream a request's output text and find stop strings.
+
+Contract, for the output token ids fed so far through `add_tokens` (and
+`flush` at the end):
+  * the concatenation of every emitted text equals
+    `tokenizer.decode(output_ids, skip_special_tokens=...)`, cut before the
+    first stop string (kept when `include_stop_str_in_output`) -- exactly;
+  * no text ever ends in half a UTF-8 character: incomplete bytes are held
+    until the character completes (or `flush` turns them into U+FFFD, as
+    `decode` would);
+  * a stop string split across tokens is found: text that could be the start
+    of a stop string (at most `max(len(stop)) - 1` chars) is held back;
+  * the "first" stop string is the one that completes first in the text
+    (earliest end, then earliest start), so results do not depend on how
+    tokens are batched into calls;
+  * once a stop string is found `stop_string` is set and `add_tokens` raises;
+    `flush` then returns "".
+
+Why bytes instead of re-decoding a window of tokens (vLLM's prefix/read
+offsets): every tokenizer we load is byte-level, so each id maps to fixed
+bytes (`Tokenizer.token_bytes_table`) and decoding is "concatenate bytes,
+UTF-8 decode with replacement". The stdlib incremental UTF-8 decoder then
+holds partial characters exactly, costs O(new bytes) per call, and has no
+unbounded window when a model emits invalid bytes. The prompt does not affect
+a byte-level decode, so `prompt_token_ids` is accepted for the engine's call
+shape but not used as context.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from asyncpp.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class DetokenizerDelta:
+    text: str  # newly final text; may be "" while bytes or a possible stop prefix are held
+    stop_string: str | None  # the stop string that ended the request, if one did now
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], *,
+                 skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
+                 include_stop_str_in_output: bool = False) -> None:
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
+        self._token_bytes = tokenizer.token_bytes_table()
+        self._skipped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._stops = tuple(stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._include_stop = include_stop_str_in_output
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held_text = ""  # decoded, not yet emitted: could begin a stop string
+        self._emitted: list[str] = []
+        self._is_finished = False
+        self.stop_string: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> DetokenizerDelta:
+        if self.stop_string is not None:
+            raise RuntimeError(f"detokenizer already stopped at stop string {self.stop_string!r}")
+        if self._is_finished:
+            raise RuntimeError("detokenizer was flushed; the request is finished")
+        new_bytes = b"".join(self._bytes_of(token_id) for token_id in new_token_ids)
+        return self._emit(self._utf8.decode(new_bytes), is_final=False)
+
+    def flush(self) -> str:
+        """Release held text when the request ends without a stop string."""
+        if self._is_finished or self.stop_string is not None:
+            return ""
+        self._is_finished = True
+        return self._emit(self._utf8.decode(b"", final=True), is_final=True).text
+
+    def _bytes_of(self, token_id: int) -> bytes:
+        if token_id in self._skipped_ids or not 0 <= token_id < len(self._token_bytes):
+            return b""  # decode drops unknown ids too
+        return self._token_bytes[token_id]
+
+    def _emit(self, new_text: str, *, is_final: bool) -> DetokenizerDelta:
+        # Invariant: a stop string that ends in `new_text` starts within
+        # `_held_text` + `new_text`, because we never emit a suffix that is a
+        # prefix of a stop string.
+        buffer = self._held_text + new_text
+        found = self._find_first_stop(buffer)
+        if found is not None:
+            start, stop = found
+            text = buffer[:start + len(stop)] if self._include_stop else buffer[:start]
+            self._held_text = ""
+            self.stop_string = stop
+            self._emitted.append(text)
+            return DetokenizerDelta(text, stop)
+        num_held = 0 if is_final else self._num_chars_to_hold(buffer)
+        text, self._held_text = buffer[:len(buffer) - num_held], buffer[len(buffer) - num_held:]
+        self._emitted.append(text)
+        return DetokenizerDelta(text, None)
+
+    def _find_first_stop(self, buffer: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = buffer.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
+
+    def _num_chars_to_hold(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that begins some stop string."""
+        for num_chars in range(min(len(buffer), self._max_stop_len - 1), 0, -1):
+            suffix = buffer[-num_chars:]
+            if any(stop.startswith(suffix) for stop in self._stops):
+                return num_chars
+        return 0
