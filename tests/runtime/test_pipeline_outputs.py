@@ -1,0 +1,56 @@
+"""Greedy outputs through the async client equal the in-process engine, for pp = 1, 2, 3."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from asyncpp.engine.engine import Engine
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import tiny_config, tiny_prompts
+from tests.runtime.harness import launched, tiny_sections
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts(320, 8)
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_hf_dir, prompts):
+    return [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, GREEDY)]
+
+
+async def collect(client: AsyncClient, prompt, params) -> tuple[list[int], str, str | None]:
+    tokens, text, reason = [], "", None
+    async for delta in client.generate(prompt, params):
+        tokens += delta.token_ids
+        text += delta.text
+        reason = delta.finish_reason
+    return tokens, text, reason
+
+
+@pytest.mark.parametrize("pp_size,layer_split", [(1, ()), (2, (1, 3)), (2, (2, 2)), (3, (1, 1, 2))])
+async def test_pipeline_equals_in_process(tmp_path, tiny_hf_dir, prompts, in_process, hf_tiny_model, pp_size, layer_split):
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, pp_size, layer_split)) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
+            stats = await client.stats()
+        finally:
+            client.close()
+    assert [r[0] for r in results] == in_process
+    assert all(r[2] == "length" for r in results)
+    assert len(stats["stage_busy_s"]) == pp_size
+    assert stats["num_kv_blocks"] > 0 and stats["num_running"] == 0
+    # And the same as transformers, for one prompt (the in-process engine is checked for all elsewhere).
+    import torch
+
+    out = hf_tiny_model.generate(
+        torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert results[0][0] == out[0, len(prompts[0]) :].tolist()
