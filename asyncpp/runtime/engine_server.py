@@ -248,6 +248,9 @@ class EngineServer:
             num_reqs=step.plan.num_reqs,
             num_tokens=step.plan.num_tokens,
             duration_ms=round((time.monotonic() - step.dispatched_at) * 1e3, 3),
+            num_running=self.core.scheduler.num_running,
+            num_waiting=self.core.scheduler.num_waiting,
+            kv_usage=round(self.core.block_manager.usage, 4),
         )
         self._wake.set()
 
