@@ -46,10 +46,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_position, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[num_tokens, 1, head_dim]` for a step; looked up once, used by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +75,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -78,7 +83,7 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rope(q, k, cos_sin)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out)
 
@@ -107,13 +112,12 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(self.input_layernorm(residual), positions, rope, kv_cache, meta)
+        hidden = self.self_attn(self.input_layernorm(residual), cos_sin, kv_cache, meta)
         residual = residual + hidden
         hidden = self.mlp(self.post_attention_layernorm(residual))
         return hidden, residual
@@ -156,8 +160,9 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
+        cos_sin = self.rope.lookup(positions, hidden.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, positions, self.rope, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
         if not self.is_last:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         return self.norm(hidden + residual)

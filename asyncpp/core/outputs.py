@@ -1,0 +1,31 @@
+"""What the scheduler reports: `RequestUpdate` per request per step, `SchedulerStats`.
+
+A `RequestUpdate` is produced for each request that got new tokens or
+finished in a step; the engine turns it into streamed output (detokenize,
+stop strings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None  # RequestStatus.finish_reason; None while still running
+    stop_reason: int | None  # the stop token id that ended it, else None
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot for metrics and logs."""
+
+    num_running: int
+    num_waiting: int
+    num_in_flight_steps: int
+    kv_usage: float  # fraction of KV blocks owned by requests
+    num_preemptions: int  # total since start
+    num_prefix_cache_queries_tokens: int  # total since start
+    num_prefix_cache_hit_tokens: int  # total since start

@@ -1,0 +1,346 @@
+"""`Scheduler`: continuous batching over the paged KV cache, vLLM v1 style.
+
+There are no prefill and decode phases: each step every scheduled request
+computes up to `num_tokens - num_computed_tokens` tokens (a prompt chunk, a
+recompute after preemption, or one decode token) within a token budget of
+`max_num_batched_tokens` and at most `max_num_seqs` running requests.
+
+Contract
+* `schedule(max_num_reqs=None)` returns a fresh `StepPlan` of at most
+  `max_num_reqs` requests, or None when no request is eligible. It may be
+  called again before earlier plans come back (the pipeline keeps up to
+  pp_size + 1 in flight, and caps cohorts to spread requests over them): a
+  request is in at most one in-flight plan (`is_in_flight`), so successive
+  plans hold disjoint cohorts.
+* Scheduling advances `num_computed_tokens` at once (the stages are writing
+  that KV); `update_from_output` only appends sampled tokens and runs the
+  token-level stop checks. Plans may come back in any order; they are matched
+  by `step_id`. A request that should have sampled but got no token (a failed
+  step) is rolled back to the step's start, to be recomputed or finished by
+  the caller.
+* A request finished while in flight (abort, stop string) frees its blocks
+  now; its late output is dropped, and its id stays taken until that plan is
+  back, so a new request cannot inherit the old one's in-flight step.
+* `finished_req_ids` of a plan lists requests the runner has state for that
+  finished since the previous plan; the runner should drop those before
+  adding `new_requests` (an id may reappear as a new request). Preempted
+  requests keep their runner state and are re-sent in `new_requests`.
+
+Priority is arrival order (order of `add_request`), everywhere:
+* Running requests are served oldest first; waiting ones are admitted FCFS,
+  and a preempted request re-enters the waiting queue ahead of every request
+  that arrived after it. A waiting request that does not fit (blocks, or its
+  whole prompt without chunked prefill) stops admission for the step, so
+  later requests never jump the queue.
+* When a running request cannot get blocks it preempts (by recompute) the
+  youngest running request that is neither in flight nor already scheduled,
+  and retries. If no younger request can be preempted:
+  - younger ones exist but are all in flight: it stalls for this step,
+    keeping its KV, and preempts one of them when they are back. Preempting
+    itself would throw away the KV of an older request for a younger one,
+    and two such requests can livelock, each preempting itself in turn.
+  - it is the youngest running request: it preempts itself.
+  A step where any running request was preempted or stalled admits no new
+  requests (they would take the blocks just freed or needed).
+Liveness: victims are always younger than their preemptor, and a request
+preempts itself only as the youngest running one, so the oldest running
+request is never preempted (the cache holds `max_model_len` tokens, checked
+at start-up, so alone it always fits) and always progresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from asyncpp.core.outputs import RequestUpdate, SchedulerStats
+from asyncpp.core.plan import NewRequestData, ScheduledRequest, StepPlan
+from asyncpp.core.request import Request, RequestStatus
+from asyncpp.core.request_queues import RequestQueues
+from asyncpp.core.stop import check_stop
+from asyncpp.kv.block_manager import BlockManager
+
+
+@dataclass
+class _StepBuilder:
+    num_budget_tokens: int
+    max_num_reqs: int | None
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
+    new_requests: list[NewRequestData] = field(default_factory=list)
+
+    @property
+    def has_room(self) -> bool:
+        return self.num_budget_tokens > 0 and (self.max_num_reqs is None or len(self.scheduled) < self.max_num_reqs)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        num_cache_tokens = block_manager.num_blocks * block_manager.block_size
+        if num_cache_tokens < max_model_len:
+            # Otherwise a long request could never be scheduled, even alone: a deadlock.
+            raise ValueError(
+                f"the KV cache holds {num_cache_tokens} tokens ({block_manager.num_blocks} blocks of "
+                f"{block_manager.block_size}), fewer than max_model_len={max_model_len}; "
+                "give the cache more memory or lower max_model_len"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_model_len={max_model_len} "
+                "when chunked prefill is disabled (a whole prompt must fit in one step)"
+            )
+        self._block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # Live requests, plus finished ones whose last plan is still in flight.
+        self._requests: dict[str, Request] = {}
+        self._queues = RequestQueues()
+        self._in_flight: dict[int, list[Request]] = {}  # step_id -> cohort, parallel to plan.scheduled
+        self._runner_known_ids: set[str] = set()  # sent in new_requests, not yet in finished_req_ids
+        self._finished_req_ids: list[str] = []  # for the next plan
+        self._next_step_id = 0
+        self._num_preemptions = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_running(self) -> int:
+        return len(self._queues.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queues.waiting)
+
+    @property
+    def num_in_flight_steps(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def kv_usage(self) -> float:
+        return self._block_manager.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._queues.running or self._queues.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        bm = self._block_manager
+        return SchedulerStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_in_flight_steps=self.num_in_flight_steps,
+            kv_usage=bm.usage,
+            num_preemptions=self._num_preemptions,
+            num_prefix_cache_queries_tokens=bm.num_prefix_cache_queries_tokens,
+            num_prefix_cache_hit_tokens=bm.num_prefix_cache_hit_tokens,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.status is not RequestStatus.WAITING or request.is_in_flight or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} must be a fresh WAITING request")
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id!r} has an empty prompt")
+        if request.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        self._requests[request.request_id] = request
+        self._queues.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, stop string) the given requests; unknown or finished ids are skipped."""
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = status
+            self._release(request)
+            finished.append(request)
+        return finished
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self, max_num_reqs: int | None = None) -> StepPlan | None:
+        step = _StepBuilder(num_budget_tokens=self.max_num_batched_tokens, max_num_reqs=max_num_reqs)
+        is_blocked = False  # a running request was preempted or stalled: admit nobody new
+        running = self._queues.running
+        i = 0
+        while i < len(running) and step.has_room:
+            request = running[i]
+            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            if request.is_in_flight or (num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill):
+                i += 1
+                continue
+            num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
+            if self._allocate_running(request, num_new_tokens):
+                self._add_to_step(step, request, num_new_tokens)
+            else:
+                is_blocked = True
+            if request.status is RequestStatus.RUNNING:  # else it preempted itself and left the list
+                i += 1
+        if not is_blocked:
+            self._admit_waiting(step)
+        if not step.scheduled:
+            return None
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            scheduled=step.scheduled,
+            new_requests=step.new_requests,
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = []
+        self._in_flight[plan.step_id] = step.cohort
+        self._next_step_id += 1
+        return plan
+
+    def update_from_output(self, plan: StepPlan, sampled_token_ids: dict[str, list[int]]) -> list[RequestUpdate]:
+        """Apply one returned plan's sampled tokens; returns an update per request that got tokens or finished."""
+        cohort = self._in_flight.get(plan.step_id)
+        if cohort is None:
+            raise ValueError(f"step {plan.step_id} is not in flight (unknown, or its output was already applied)")
+        if len(cohort) != len(plan.scheduled):
+            raise ValueError(f"step {plan.step_id}: plan does not match the one scheduled")
+        del self._in_flight[plan.step_id]
+        updates = []
+        for scheduled, request in zip(plan.scheduled, cohort):
+            request.is_in_flight = False
+            if request.is_finished:  # finished while in flight: its output is dropped
+                self._forget(request)
+                continue
+            if not scheduled.do_sample:  # a prompt chunk: nothing to report
+                continue
+            if not sampled_token_ids.get(scheduled.request_id):
+                # A failed step: its KV is suspect. Only this plan advanced the request (it was in flight).
+                request.num_computed_tokens = scheduled.start_position
+                continue
+            new_token_ids = []
+            for token_id in sampled_token_ids[scheduled.request_id]:
+                request.output_token_ids.append(token_id)
+                new_token_ids.append(token_id)
+                if check_stop(request, self.max_model_len):
+                    break  # tokens after a stop are dropped
+            if request.is_finished:
+                self._release(request)
+            stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
+            updates.append(RequestUpdate(request.request_id, new_token_ids, request.status.finish_reason, stop_reason))
+        return updates
+
+    # ------------------------------------------------------------------ helpers
+    def _allocate_running(self, request: Request, num_new_tokens: int) -> bool:
+        """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
+        while True:
+            block_ids = self._block_manager.allocate_slots(
+                request.request_id, request.all_token_ids, num_new_tokens, request.num_computed_tokens
+            )
+            if block_ids is not None:
+                return True
+            victim = self._queues.youngest_idle_running()
+            if victim is not None and victim is not request:
+                self._preempt(victim)
+                continue
+            # Every younger running request is in flight.
+            if self._queues.running[-1] is not request:
+                return False  # stall; preempt one of them once it is back
+            self._preempt(request)
+            return False
+
+    def _admit_waiting(self, step: _StepBuilder) -> None:
+        queues = self._queues
+        while queues.waiting and step.has_room and len(queues.running) < self.max_num_seqs:
+            if self._block_manager.num_free_blocks == 0:
+                break  # a first allocation always needs a free block; skip the lookup (and its stats)
+            request = queues.waiting[0]
+            token_ids = request.all_token_ids
+            hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
+            num_new_tokens = len(token_ids) - num_hit_tokens
+            if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
+                break
+            num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
+            block_ids = self._block_manager.allocate_slots(
+                request.request_id, token_ids, num_new_tokens, num_hit_tokens, hit_block_ids
+            )
+            if block_ids is None:
+                break  # FCFS: nobody behind it may take the blocks it waits for
+            queues.admit_front()
+            if request.status is RequestStatus.WAITING:  # first admission, not a return from preemption
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            step.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                )
+            )
+            self._runner_known_ids.add(request.request_id)
+            self._add_to_step(step, request, num_new_tokens)
+
+    def _add_to_step(self, step: _StepBuilder, request: Request, num_new_tokens: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        step.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_position=start,
+                block_ids=self._block_manager.block_ids(request.request_id),
+                do_sample=end == request.num_tokens,
+            )
+        )
+        step.cohort.append(request)
+        step.num_budget_tokens -= num_new_tokens
+        request.num_computed_tokens = end
+        request.is_in_flight = True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: free its KV and put it back in the waiting queue by arrival order."""
+        assert not request.is_in_flight, "an in-flight request's KV is being written"
+        self._block_manager.free(request.request_id)
+        self._queues.requeue(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+
+    def _release(self, request: Request) -> None:
+        """Take a request that just got a finished status out of the queues and free its blocks."""
+        self._queues.remove(request)
+        self._block_manager.free(request.request_id)
+        if request.request_id in self._runner_known_ids:
+            self._runner_known_ids.discard(request.request_id)
+            self._finished_req_ids.append(request.request_id)
+        if not request.is_in_flight:
+            self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+            self._queues.forget(request.request_id)

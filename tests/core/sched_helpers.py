@@ -1,0 +1,127 @@
+"""Test doubles for the scheduler: a fake paged-KV "model" and a pipelined driver loop.
+
+`FakeKVModel` writes every scheduled token into its own paged cache through
+the plan's block table and computes the next token only from what it reads
+back through that table, like real attention. A wrong block table, a prefix
+hit on stale content or a block reused while still owned changes the output,
+so comparing outputs against a solo run catches corrupted requests.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from asyncpp.core.plan import StepPlan
+from asyncpp.core.request import Request
+from asyncpp.core.scheduler import Scheduler
+from asyncpp.kv.block_manager import BlockManager
+from asyncpp.sampling.params import SamplingParams
+
+VOCAB_SIZE = 97
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: list[int],
+    *,
+    eos_token_id: int | None = None,
+    **params: object,
+) -> Request:
+    params.setdefault("max_tokens", 8)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
+        eos_token_id=eos_token_id,
+    )
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: position-weighted sum of the whole context, mod the vocabulary."""
+    return sum((position + 1) * token for position, token in enumerate(context)) % VOCAB_SIZE
+
+
+class FakeKVModel:
+    """Executes plans in step order against a paged KV store; also tracks the runner's request state."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.known_request_ids: set[str] = set()
+
+    def execute(self, plan: StepPlan) -> dict[str, list[int]]:
+        self.known_request_ids -= set(plan.finished_req_ids)
+        for new in plan.new_requests:
+            self.known_request_ids.add(new.request_id)
+        # Like attention: every new token's KV is written before any is read.
+        for scheduled in plan.scheduled:
+            assert scheduled.request_id in self.known_request_ids, "runner never got this request"
+            end = scheduled.start_position + scheduled.num_tokens
+            assert len(scheduled.block_ids) * self.block_size >= end, "block table too short"
+            for offset, token in enumerate(scheduled.token_ids):
+                position = scheduled.start_position + offset
+                self.kv[scheduled.block_ids[position // self.block_size]][position % self.block_size] = token
+        sampled: dict[str, list[int]] = {}
+        for scheduled in plan.scheduled:
+            if scheduled.do_sample:
+                end = scheduled.start_position + scheduled.num_tokens
+                context = [
+                    self.kv[scheduled.block_ids[p // self.block_size]][p % self.block_size] for p in range(end)
+                ]
+                assert None not in context, "read an unwritten KV slot"
+                sampled[scheduled.request_id] = [next_token(context)]  # type: ignore[arg-type]
+        return sampled
+
+
+def drive(
+    scheduler: Scheduler,
+    model: FakeKVModel,
+    *,
+    max_in_flight: int,
+    rng: random.Random | None = None,
+    max_steps: int = 100_000,
+    on_plan: Callable[[StepPlan, list[StepPlan]], None] | None = None,
+) -> int:
+    """Run until no request is left: keep up to `max_in_flight` plans out, complete them in random order.
+
+    Plans execute at dispatch, in step order, as the stages would. Returns the
+    number of plans. Fails on a deadlock (work left, nothing schedulable, nothing in flight).
+    """
+    in_flight: list[tuple[StepPlan, dict[str, list[int]]]] = []
+    num_plans = 0
+    while scheduler.has_unfinished_requests() or in_flight:
+        while len(in_flight) < max_in_flight:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            if on_plan is not None:
+                on_plan(plan, [p for p, _ in in_flight])
+            in_flight.append((plan, model.execute(plan)))
+            num_plans += 1
+        assert in_flight, "deadlock: unfinished requests but nothing schedulable or in flight"
+        index = rng.randrange(len(in_flight)) if rng is not None else 0
+        plan, sampled = in_flight.pop(index)
+        scheduler.update_from_output(plan, sampled)
+        assert num_plans < max_steps, "did not finish"
+    return num_plans
+
+
+def solo_output(request: Request, *, block_size: int, max_model_len: int) -> list[int]:
+    """Output tokens of a copy of `request` run alone with a cache far larger than it needs."""
+    num_blocks = 4 * max_model_len // block_size + 4
+    scheduler = Scheduler(
+        BlockManager(num_blocks, block_size),
+        max_num_seqs=1,
+        max_num_batched_tokens=max_model_len,
+        max_model_len=max_model_len,
+    )
+    copy = Request(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        sampling_params=request.sampling_params,
+        eos_token_id=request.eos_token_id,
+    )
+    scheduler.add_request(copy)
+    drive(scheduler, FakeKVModel(num_blocks, block_size), max_in_flight=1)
+    return copy.output_token_ids

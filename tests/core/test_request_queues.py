@@ -1,0 +1,46 @@
+"""RequestQueues: arrival order is kept in both queues, membership by identity."""
+
+from __future__ import annotations
+
+from sched_helpers import make_request
+
+from asyncpp.core.request_queues import RequestQueues
+
+
+def test_requeued_request_goes_ahead_of_younger_waiting_ones() -> None:
+    queues = RequestQueues()
+    a, b, c, d = (make_request(name, [1]) for name in "abcd")
+    for request in (a, b, c, d):
+        queues.add(request)
+    assert queues.admit_front() is a and queues.admit_front() is b and queues.admit_front() is c
+    assert queues.running == [a, b, c] and list(queues.waiting) == [d]
+    queues.requeue(c)
+    queues.requeue(a)
+    assert list(queues.waiting) == [a, c, d]  # by arrival, not by preemption order
+    assert queues.admit_front() is a
+    assert queues.running == [a, b]  # re-admitted into its place, ahead of younger b
+
+
+def test_youngest_idle_running_skips_in_flight_requests() -> None:
+    queues = RequestQueues()
+    a, b, c = (make_request(name, [1]) for name in "abc")
+    for request in (a, b, c):
+        queues.add(request)
+        queues.admit_front()
+    c.is_in_flight = True
+    assert queues.youngest_idle_running() is b
+    a.is_in_flight = b.is_in_flight = True
+    assert queues.youngest_idle_running() is None
+
+
+def test_remove_is_by_identity() -> None:
+    queues = RequestQueues()
+    a = make_request("x", [1])
+    twin = make_request("x", [1])  # equal fields, different request
+    twin.arrival_time = a.arrival_time
+    queues.add(a)
+    assert twin == a
+    queues.remove(twin)
+    assert list(queues.waiting) == [a]
+    queues.remove(a)
+    assert not queues.waiting
