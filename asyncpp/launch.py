@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m asyncpp.launch", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="deployment TOML file (see configs/)")
     ap.add_argument("--log-format", choices=("console", "json"), default="console")
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument("--log-level", help="debug | info | warning | error (default: info; warning with --prompt)")
     ap.add_argument("--log-file", help="write JSON log lines of every process to this file")
     ap.add_argument("--port", type=int, help="override server.port (0 = any free port)")
     ap.add_argument("--prompt", help="one-shot: stream one chat answer to this prompt, then exit")
@@ -139,6 +139,8 @@ async def one_shot(address: str, prompt: str, max_tokens: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.log_level is None:
+        ns.log_level = "warning" if ns.prompt is not None else "info"
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
     try:
         config = load_config(ns.config)

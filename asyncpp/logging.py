@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, TextIO
 
 import structlog
@@ -26,17 +27,16 @@ def configure_logging(fmt: str = "console", level: str = "info", file: str | Non
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
     stream: TextIO = open(file, "a", buffering=1) if file else sys.stderr  # noqa: SIM115 - lives with the process
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if fmt == "json" or file
-        else structlog.dev.ConsoleRenderer(colors=stream.isatty())
-    )
+    is_json = fmt == "json" or file is not None
+    renderer: Any = structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    # JSON lines carry integer wall-clock microseconds so `asyncpp.trace` can line processes up.
+    timestamps = [_add_wall_us] if is_json else []
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
-            _add_monotonic,
+            *timestamps,
             structlog.processors.format_exc_info,
             renderer,
         ],
@@ -47,10 +47,7 @@ def configure_logging(fmt: str = "console", level: str = "info", file: str | Non
     _configured = True
 
 
-def _add_monotonic(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
-    # Wall-clock timestamps in microseconds let traces line processes up.
-    import time
-
+def _add_wall_us(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     event.setdefault("t_us", time.time_ns() // 1000)
     return event
 

@@ -8,7 +8,7 @@ stage (so also the reader) has finished it.
 
 from __future__ import annotations
 
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -52,10 +52,10 @@ class ShmReceiver:
 class ShmSender:
     def __init__(self, spec: RingSpec) -> None:
         self.spec = spec
+        # Stages are spawned by one launcher and share its resource tracker, so this
+        # attach re-registers a name the tracker already holds (a set): harmless, and
+        # the receiver's unlink removes it. Unregistering here would make that fail.
         self._shm = shared_memory.SharedMemory(name=spec.name, create=False)
-        # Python < 3.13 registers attached segments with the resource tracker too,
-        # which would unlink the receiver's segment when this process exits.
-        resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
         self.ring = _ring_tensor(self._shm, spec)
 
     def write(self, step_id: int, tensors: IntermediateTensors) -> ActivationNotice:
