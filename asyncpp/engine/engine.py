@@ -189,7 +189,14 @@ class Engine(EngineCore):
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        ids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                ids.append(self.add_request(prompt, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt leaves no orphaned requests behind
+                self.abort(rid)
+            raise
         completions = {rid: Completion(rid) for rid in ids}
         while self.has_unfinished_requests():
             for out in self.step():

@@ -1,0 +1,67 @@
+"""Config: TOML into a frozen tree; unknown keys and wrong types are named."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from asyncpp.config import ConfigError, EngineConfig, config_from_dict, load_config
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
+def test_shipped_configs_load(name):
+    config = load_config(CONFIGS / name)
+    assert isinstance(config, EngineConfig)
+
+
+def test_default_config_is_the_documented_deployment():
+    config = load_config(CONFIGS / "default.toml")
+    assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "bfloat16", "cpu")
+    assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
+    assert config.server.host == "127.0.0.1"
+
+
+def test_config_is_frozen():
+    config = config_from_dict({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.model.dtype = "float32"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "data,words",
+    [
+        ({"modle": {}}, "unknown config key modle"),
+        ({"cache": {"block_sise": 16}}, "unknown config key cache.block_sise"),
+        ({"cache": {"block_size": "16"}}, "cache.block_size must be int, got str"),
+        ({"cache": {"block_size": True}}, "cache.block_size must be int, got bool"),
+        ({"cache": {"block_size": 0}}, "cache.block_size must be >= 1"),
+        ({"model": {"dtype": "float8"}}, "model.dtype"),
+        ({"model": {"source": "onnx"}}, "model.source"),
+        ({"model": "gguf"}, "section model must be a table"),
+        ({"parallel": {"pp_size": 2, "layer_split": [1, "2"]}}, "parallel.layer_split[1] must be int"),
+        ({"parallel": {"pp_size": 3, "layer_split": [1, 2]}}, "parallel.layer_split has 2 entries"),
+        ({"server": {"grace_period_s": "soon"}}, "server.grace_period_s must be float"),
+        ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}}, "max_num_batched_tokens"),
+    ],
+)
+def test_bad_config_names_the_key(data, words):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert words in str(info.value)
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nsource = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_int_accepted_for_float_fields():
+    assert config_from_dict({"server": {"grace_period_s": 3}}).server.grace_period_s == 3.0
