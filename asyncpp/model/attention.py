@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 # Decode requests are split into buckets of at least this many requests, sorted by context length.
-_MIN_DECODE_BUCKET = 16
+_MIN_DECODE_BUCKET = 32
 
 
 @dataclass
@@ -35,7 +35,9 @@ class _Group:
     query_idx: torch.Tensor  # [num_reqs, max_q] flat token row per padded query (padding -> 0)
     query_valid: torch.Tensor | None  # [num_reqs, max_q] bool; None when every query is valid (decode)
     key_blocks: torch.Tensor  # [num_reqs * num_key_blocks] block ids, row-major (padding -> block 0)
-    mask: torch.Tensor  # [num_reqs, 1, max_q, num_key_blocks * block_size] bool, True = attend
+    # [num_reqs, 1, max_q, num_key_blocks * block_size] additive (0 = attend, -inf = masked), in the
+    # activation dtype: SDPA would otherwise convert a bool mask on every call of every layer.
+    mask: torch.Tensor
 
 
 @dataclass
@@ -51,6 +53,7 @@ class AttentionMetadata:
         block_table: np.ndarray,  # [num_reqs, max_num_blocks] int, padded
         block_size: int,
         device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> tuple["AttentionMetadata", np.ndarray]:
         """Return the metadata and the positions `[num_tokens]` of the step's tokens."""
         num_reqs = len(num_new_tokens)
@@ -64,10 +67,14 @@ class AttentionMetadata:
         groups = []
         is_decode = num_new_tokens == 1
         for selected in _decode_buckets(np.nonzero(is_decode)[0], start_positions):
-            groups.append(_build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device))
+            groups.append(
+                _build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
+            )
         prefills = np.nonzero(~is_decode)[0]
         if len(prefills):
-            groups.append(_build_group(prefills, start_positions, num_new_tokens, query_start, block_table, block_size, device))
+            groups.append(
+                _build_group(prefills, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
+            )
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups, block_size=block_size
         )
@@ -93,6 +100,7 @@ def _build_group(
     block_table: np.ndarray,
     block_size: int,
     device: torch.device | str,
+    dtype: torch.dtype,
 ) -> _Group:
     starts = start_positions[reqs]
     lens = num_new_tokens[reqs]
@@ -124,7 +132,7 @@ def _build_group(
         query_idx=to(query_idx),
         query_valid=None if all_valid else to(query_valid),
         key_blocks=to(key_blocks.reshape(-1)),
-        mask=to(mask[:, None, :, :]),
+        mask=torch.zeros(mask.shape, dtype=dtype).masked_fill_(torch.from_numpy(~mask), float("-inf"))[:, None].to(device),
     )
 
 

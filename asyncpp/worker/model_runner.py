@@ -50,7 +50,7 @@ class ModelRunner:
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
-        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device)
+        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, kv_caches[0][0].dtype)
         self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.execute_state: ExecuteModelState | None = None

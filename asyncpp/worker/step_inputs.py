@@ -28,8 +28,11 @@ class StepInputs:
 
 
 class StepInputBuffers:
-    def __init__(self, max_num_tokens: int, block_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, max_num_tokens: int, block_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         self.max_num_tokens = max_num_tokens
+        self.dtype = dtype  # of the activations: attention masks are built in it
         self.block_size = block_size
         self.device = torch.device(device)
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
@@ -48,7 +51,7 @@ class StepInputBuffers:
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_table[i, : len(r.block_ids)] = r.block_ids
-        meta, positions = AttentionMetadata.build(starts, num_new, block_table, self.block_size, self.device)
+        meta, positions = AttentionMetadata.build(starts, num_new, block_table, self.block_size, self.device, self.dtype)
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
