@@ -144,12 +144,12 @@ class Stage:
         log = self.log.bind(step_id=plan.step_id)
         handoff_us, error = 0.0, None
         output = ModelRunnerOutput()
-        t0 = time.time()
+        t0 = t_written = time.time()
         try:
             intermediate = None
             if self.acts_in is not None:
                 notice = self.acts_in.get()
-                t0 = time.time()  # waiting for the previous stage is not busy time
+                t0 = t_written = time.time()  # waiting for the previous stage is not busy time
                 if notice.step_id != plan.step_id:
                     raise RuntimeError(f"activation notice for step {notice.step_id} while running step {plan.step_id}")
                 intermediate = self.receiver.view(notice)
@@ -158,8 +158,11 @@ class Stage:
                 output = self.runner.sample_tokens()
             else:
                 t_handoff = time.perf_counter()
-                self.acts_out.put(self.sender.write(plan.step_id, result))
+                notice = self.sender.write(plan.step_id, result)
                 handoff_us = (time.perf_counter() - t_handoff) * 1e6
+                # The slice ends when the activations are in place; the notice releases the next stage.
+                t_written = time.time()
+                self.acts_out.put(notice)
                 output = ModelRunnerOutput.with_kv_conn_output_only(None)
         except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
             error = f"stage {self.args.pp_rank}: {type(e).__name__}: {e}"
@@ -168,7 +171,7 @@ class Stage:
                 self.runner.execute_state = None
             if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
-        t1 = time.time()
+        t1 = time.time() if self.args.is_last or error is not None else t_written
         log.debug(
             "stage_done",
             num_tokens=plan.num_tokens,
