@@ -6,7 +6,7 @@ GGUF file, an HF directory or the byte-level test vocabulary;
 stop strings.
 """
 
-from asyncpp.tokenizer.default_model import default_gguf_path
+from asyncpp.model_files import default_gguf_path
 from asyncpp.tokenizer.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from asyncpp.tokenizer.loader import TOKENIZER_SOURCES, load_tokenizer
 from asyncpp.tokenizer.tokenizer import Tokenizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncpp.tokenizer.default_model import default_gguf_path
+from asyncpp.model_files import default_gguf_path
 from asyncpp.tokenizer.tokenizer import Tokenizer
 
 

