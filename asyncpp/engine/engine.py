@@ -27,7 +27,7 @@ from asyncpp.errors import InvalidRequestError
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
-from asyncpp.model.split import compute_layer_ranges
+from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
@@ -51,7 +51,9 @@ def resolve_capacity(config: EngineConfig, arch: ModelArch) -> EngineCapacity:
             f"model.max_model_len {config.model.max_model_len} exceeds the model's "
             f"max_position_embeddings {arch.max_position_embeddings}"
         )
-    ranges = compute_layer_ranges(arch.num_layers, config.parallel.pp_size, config.parallel.layer_split)
+    ranges = compute_layer_ranges(
+        arch.num_layers, config.parallel.pp_size, config.parallel.layer_split, head_cost_in_layers(arch)
+    )
     dtype = torch_dtype(config.model.dtype)
     num_blocks = config.cache.num_kv_blocks_override or min(
         stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, dtype)

