@@ -25,7 +25,7 @@ from tokenizers import Regex, Tokenizer, pre_tokenizers
 from tokenizers.pre_tokenizers import PreTokenizer
 
 from asyncpp.tokenizer.bpe_backend import build_bpe_backend
-from asyncpp.tokenizer.gguf_metadata import read_gguf_metadata
+from asyncpp.gguf_file import read_gguf_metadata
 
 # llama.cpp's token types (gguf.TokenType); only these two change tokenization.
 _TOKEN_TYPE_CONTROL = 3

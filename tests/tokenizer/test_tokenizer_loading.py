@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 from asyncpp.tokenizer import Tokenizer, default_gguf_path, load_tokenizer
-from asyncpp.tokenizer.gguf_metadata import read_gguf_metadata
+from asyncpp.gguf_file import read_gguf_metadata
 
 
 def test_metadata_matches_reference_reader(tmp_path) -> None:
