@@ -14,6 +14,7 @@ from multiprocessing import shared_memory
 
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.stage_process import StageArgs, stage_main
+from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
 from asyncpp.wire.stage_msgs import Shutdown, StageReady, StageStart
 
@@ -68,8 +69,9 @@ class StageGroup:
             await q.put(StageStart(num_kv_blocks, send_ring))
 
     async def broadcast(self, msg) -> None:
+        frame = encode(msg)  # once for every stage: plans are the engine's hottest encode
         for q in self.plan_queues:
-            await q.put(msg)
+            await q.put_encoded(frame)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         import asyncio

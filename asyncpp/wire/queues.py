@@ -69,6 +69,10 @@ class AsyncPushQueue:
     async def put(self, msg: Any) -> None:
         await self._sock.send(encode(msg), copy=False)
 
+    async def put_encoded(self, frame: bytes) -> None:
+        """Send a frame made by `asyncpp.wire.codec.encode` (a broadcast encodes once)."""
+        await self._sock.send(frame, copy=False)
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
