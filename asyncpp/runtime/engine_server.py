@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -282,18 +283,14 @@ class EngineServer:
 
     # ---- stats -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        sched = self.core.scheduler
         bm = self.core.block_manager
-        uptime = time.monotonic() - self.started_at
         return {
-            "num_running": sched.num_running,
-            "num_waiting": sched.num_waiting,
-            "num_in_flight_steps": len(self.in_flight),
+            **dataclasses.asdict(self.core.scheduler.stats()),
             "num_steps": self.num_steps,
-            "kv_usage": bm.usage,
+            "num_in_flight_steps": len(self.in_flight),
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
-            "uptime_s": uptime,
+            "uptime_s": time.monotonic() - self.started_at,
             "stage_busy_s": list(self.stage_busy_s),
             "handoff_us_p50": [_percentile(h, 50) for h in self.handoff_us[:-1]],
             "handoff_us_p99": [_percentile(h, 99) for h in self.handoff_us[:-1]],

@@ -13,23 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-
-def to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return repr(v)
-
-    lines = []
-    for name, body in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {value(v)}" for k, v in body.items()]
-        lines.append("")
-    return "\n".join(lines)
+from asyncpp.bench.runs import to_toml
 
 
 def tiny_sections(model_dir: Path | str, pp_size: int = 1, layer_split: tuple[int, ...] = (), **overrides) -> dict:
