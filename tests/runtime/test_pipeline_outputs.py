@@ -10,6 +10,7 @@ from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
+from tests.runtime.conftest import collect
 from tests.runtime.harness import launched, tiny_sections
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -23,15 +24,6 @@ def prompts():
 @pytest.fixture(scope="module")
 def in_process(tiny_hf_dir, prompts):
     return [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, GREEDY)]
-
-
-async def collect(client: AsyncClient, prompt, params) -> tuple[list[int], str, str | None]:
-    tokens, text, reason = [], "", None
-    async for delta in client.generate(prompt, params):
-        tokens += delta.token_ids
-        text += delta.text
-        reason = delta.finish_reason
-    return tokens, text, reason
 
 
 @pytest.mark.parametrize("pp_size,layer_split", [(1, ()), (2, (1, 3)), (2, (2, 2)), (3, (1, 1, 2))])
