@@ -107,11 +107,15 @@ class EngineCore:
         self.log.info("request_received", request_id=request_id, num_prompt_tokens=len(prompt_token_ids))
         return request_id
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
-        out = self.output_processor.abort(request_id)
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED, error: str | None = None
+    ) -> RequestOutput | None:
+        """Finish a request now (client abort, or `FINISHED_ERROR` with `error`) and free its blocks."""
+        self.scheduler.finish_requests([request_id], status)
+        out = self.output_processor.abort(request_id, status.finish_reason, error)
         if out is not None:
-            self.log.info("request_aborted", request_id=request_id)
+            event = "request_aborted" if status is RequestStatus.FINISHED_ABORTED else "request_failed"
+            self.log.info(event, request_id=request_id, error=error)
         return out
 
     def process_output(self, plan: Any, output: ModelRunnerOutput) -> list[RequestOutput]:

@@ -162,10 +162,14 @@ class EngineServer:
         self._wake.set()
 
     async def _finish_abort(self, request_id: str) -> None:
-        out = self.core.abort(request_id)
+        self.core.abort(request_id)
         self.peer_of.pop(request_id, None)
         self._wake.set()
-        return out
+
+    async def _fail(self, request_id: str, message: str, kind: str) -> None:
+        """Finish a request with an error in the engine and tell its client why."""
+        self.core.abort(request_id, RequestStatus.FINISHED_ERROR, message)
+        await self._send_error(request_id, message, kind)
 
     async def _drop_peer(self, peer: bytes) -> None:
         gone = [rid for rid, p in self.peer_of.items() if p == peer]
@@ -243,9 +247,7 @@ class EngineServer:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
             self.core.scheduler.update_from_output(step.plan, {})
             for r in step.plan.scheduled:
-                self.core.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
-                self.core.output_processor.abort(r.request_id, "error", errors[0])
-                await self._send_error(r.request_id, errors[0], "internal")
+                await self._fail(r.request_id, errors[0], "internal")
         else:
             results = self.core.process_output(step.plan, step.outputs[self.pp_size - 1].output)
             await self._deliver(results)
@@ -275,9 +277,7 @@ class EngineServer:
         self.log.error("stage_died", dead_pp_ranks=dead, num_failed_requests=len(self.peer_of))
         message = f"engine is dead: stage(s) {dead} exited"
         for request_id in list(self.peer_of):
-            self.core.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-            self.core.output_processor.abort(request_id, "error", message)
-            await self._send_error(request_id, message, "engine_dead")
+            await self._fail(request_id, message, "engine_dead")
         self.in_flight.clear()
         self.stop(exit_code=1)
 
