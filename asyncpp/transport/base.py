@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.wire.codec import message
 
@@ -96,5 +94,3 @@ def check_notice(spec: RingSpec, notice: ActivationNotice) -> None:
     if not 0 <= notice.slot < spec.num_slots:
         raise ActivationError(f"step {notice.step_id}: slot {notice.slot} outside the ring's {spec.num_slots} slots")
 
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -13,18 +13,19 @@ from multiprocessing import shared_memory
 import torch
 
 from asyncpp.model.intermediate import IntermediateTensors
-from asyncpp.transport.base import DTYPES, ActivationNotice, RingSpec, check_notice, register_transport
+from asyncpp.dtypes import torch_dtype
+from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport
 
 
 def _ring_tensor(shm: shared_memory.SharedMemory, spec: RingSpec) -> torch.Tensor:
-    dtype = DTYPES[spec.dtype]
+    dtype = torch_dtype(spec.dtype)
     shape = (spec.num_slots, len(spec.keys), spec.max_num_tokens, spec.hidden_size)
     numel = shape[0] * shape[1] * shape[2] * shape[3]
     return torch.frombuffer(shm.buf, dtype=dtype, count=numel).view(shape)
 
 
 def ring_nbytes(spec: RingSpec) -> int:
-    elem = torch.tensor([], dtype=DTYPES[spec.dtype]).element_size()
+    elem = torch_dtype(spec.dtype).itemsize
     return spec.num_slots * len(spec.keys) * spec.max_num_tokens * spec.hidden_size * elem
 
 

@@ -21,6 +21,3 @@ def allocate_kv_caches(
         for _ in range(num_layers)
     ]
 
-
-def kv_cache_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
@@ -17,13 +18,6 @@ from asyncpp.model.llama import LlamaModel
 from asyncpp.weights import load_weights
 from asyncpp.worker.kv_cache import allocate_kv_caches
 from asyncpp.worker.model_runner import ModelRunner
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
-
 
 def build_model_slice(
     source: str, path: str | None, arch: ModelArch, start_layer: int, end_layer: int, dtype: torch.dtype, device: str
@@ -54,7 +48,7 @@ def stage_num_blocks(arch: ModelArch, num_layers: int, budget_mb: int, block_siz
         num_layers,
         arch.num_kv_heads,
         arch.head_dim,
-        torch.tensor([], dtype=dtype).element_size(),
+        dtype.itemsize,
     )
 
 
