@@ -118,13 +118,11 @@ class ModelRunner:
         if not self.is_last:
             return
         for new in plan.new_requests:
-            old = self.sampling_states.get(new.request_id)
-            state = RequestSamplingState.create(
+            # A request resumed after preemption simply gets a fresh state: seeded rows are
+            # reseeded from (seed, tokens so far) before every draw, so nothing carries over.
+            self.sampling_states[new.request_id] = RequestSamplingState.create(
                 new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids), self.device
             )
-            if old is not None:  # resumed after preemption: keep the seeded generator's position
-                state.generator = old.generator
-            self.sampling_states[new.request_id] = state
 
 
 def _logprobs_lists(out, req_states: list[RequestSamplingState]) -> list[list[Logprobs] | None]:
