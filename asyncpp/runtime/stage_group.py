@@ -7,6 +7,7 @@ and every segment unlinked.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import shutil
 import time
@@ -44,8 +45,6 @@ class StageGroup:
 
     async def wait_ready(self, timeout_s: float) -> list[StageReady]:
         """Collect one `StageReady` per stage; raise if a stage dies or time runs out."""
-        import asyncio
-
         readies: dict[int, StageReady] = {}
         deadline = time.monotonic() + timeout_s
         while len(readies) < self.pp_size:
@@ -74,8 +73,6 @@ class StageGroup:
             await q.put_encoded(frame)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
-        import asyncio
-
         # After a stage died, the survivors may be blocked forever on it (waiting for its
         # activations, or pushing to its ring with no reader): do not wait for a drain.
         if self.dead_stages():
