@@ -7,7 +7,9 @@ for K and for V; a token at position p of a request lives in slot
 `AttentionMetadata.build` turns one step's requests into index tensors once
 per step (numpy, vectorised over tokens); every layer reuses them. Requests
 computing one token (decode) are batched together with a key-padding mask,
-in buckets of similar context length so little time goes to padding;
+in buckets of similar context length so little time goes to padding,
+unless a decode kernel is given (`asyncpp.kernels.decode_attention`, CPU):
+then decode requests read their keys in place through the block table;
 requests computing several tokens (prefill chunks, possibly after cached
 prefix blocks) are batched with a causal mask offset by their start position.
 Keys and values are gathered a whole block at a time (`index_select`, which
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from asyncpp.kernels.decode_attention import DecodeAttention
 
 # Decode requests are split into buckets of at least this many requests, sorted by context length.
 _MIN_DECODE_BUCKET = 32
@@ -41,10 +45,22 @@ class _Group:
 
 
 @dataclass
+class _KernelDecode:
+    """Decode requests computed by the decode kernel, straight from the paged cache."""
+
+    fn: DecodeAttention
+    rows: torch.Tensor  # [num_reqs] token row of each request's query and output
+    block_table: torch.Tensor  # [num_reqs, max_num_blocks]
+    context_lens: torch.Tensor  # [num_reqs] keys per request, the new token included
+    max_context_len: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     groups: list[_Group]
     block_size: int
+    kernel_decode: _KernelDecode | None = None
 
     @staticmethod
     def build(
@@ -54,6 +70,7 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        decode_kernel: DecodeAttention | None = None,
     ) -> tuple["AttentionMetadata", np.ndarray]:
         """Return the metadata and the positions `[num_tokens]` of the step's tokens."""
         num_reqs = len(num_new_tokens)
@@ -66,7 +83,19 @@ class AttentionMetadata:
 
         groups = []
         is_decode = num_new_tokens == 1
-        for selected in _decode_buckets(np.nonzero(is_decode)[0], start_positions):
+        decodes = np.nonzero(is_decode)[0]
+        kernel_decode = None
+        if decode_kernel is not None and len(decodes):
+            context_lens = start_positions[decodes] + 1
+            kernel_decode = _KernelDecode(
+                fn=decode_kernel,
+                rows=torch.from_numpy(query_start[decodes]).to(device),
+                block_table=torch.from_numpy(np.ascontiguousarray(block_table[decodes])).to(device),
+                context_lens=torch.from_numpy(context_lens).to(device),
+                max_context_len=int(context_lens.max()),
+            )
+            decodes = decodes[:0]
+        for selected in _decode_buckets(decodes, start_positions):
             groups.append(
                 _build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
             )
@@ -76,7 +105,10 @@ class AttentionMetadata:
                 _build_group(prefills, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
             )
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device), groups=groups, block_size=block_size
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            groups=groups,
+            block_size=block_size,
+            kernel_decode=kernel_decode,
         )
         return meta, positions
 
@@ -153,6 +185,8 @@ def paged_attention(
     k_blocks = k_cache.view(-1, meta.block_size, num_kv_heads, head_dim)
     v_blocks = v_cache.view(-1, meta.block_size, num_kv_heads, head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
+    if (kd := meta.kernel_decode) is not None:
+        kd.fn(q, k_cache, v_cache, kd.block_table, kd.rows, kd.context_lens, kd.max_context_len, meta.block_size, out, scale)
     for g in meta.groups:
         num_reqs = g.query_idx.shape[0]
         qg = q[g.query_idx].transpose(1, 2)  # [num_reqs, num_heads, max_q, head_dim]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
@@ -44,13 +45,20 @@ class ModelRunner:
         max_num_batched_tokens: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        use_decode_kernel: bool = True,
     ) -> None:
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
-        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, kv_caches[0][0].dtype)
+        dtype, arch = kv_caches[0][0].dtype, model.arch
+        decode_kernel = (
+            decode_attention_kernel(self.device, dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim)
+            if use_decode_kernel
+            else None
+        )
+        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
         self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.execute_state: ExecuteModelState | None = None

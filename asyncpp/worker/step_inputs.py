@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.kernels.decode_attention import DecodeAttention
 from asyncpp.model.attention import AttentionMetadata
 
 
@@ -29,9 +30,15 @@ class StepInputs:
 
 class StepInputBuffers:
     def __init__(
-        self, max_num_tokens: int, block_size: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        max_num_tokens: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        decode_kernel: DecodeAttention | None = None,
     ) -> None:
         self.max_num_tokens = max_num_tokens
+        self.decode_kernel = decode_kernel  # None: decode attention on the torch path
         self.dtype = dtype  # of the activations: attention masks are built in it
         self.block_size = block_size
         self.device = torch.device(device)
@@ -51,7 +58,9 @@ class StepInputBuffers:
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_table[i, : len(r.block_ids)] = r.block_ids
-        meta, positions = AttentionMetadata.build(starts, num_new, block_table, self.block_size, self.device, self.dtype)
+        meta, positions = AttentionMetadata.build(
+            starts, num_new, block_table, self.block_size, self.device, self.dtype, self.decode_kernel
+        )
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)

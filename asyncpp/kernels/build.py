@@ -1,0 +1,84 @@
+"""Compile a C kernel of this package once per machine and load it with ctypes.
+
+The shared object is cached under `$ASYNCPP_KERNEL_CACHE` (default
+`~/.cache/asyncpp/kernels`), named by a hash of the source, the compiler, the
+flags and the CPU's feature flags (it is built with `-march=native`). Writers
+race safely: each compiles to a private temporary file and renames it into
+place. OpenMP comes from the `libgomp.so.1` that torch has already loaded, so
+kernels and torch share one thread pool.
+
+`load_kernel_library` returns None, after one warning, when there is no
+compiler or the build fails: callers fall back to plain torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from asyncpp.logging import get_logger
+
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DISABLE_ENV = "ASYNCPP_DISABLE_KERNELS"
+
+
+def kernel_cache_dir() -> Path:
+    return Path(os.environ.get("ASYNCPP_KERNEL_CACHE", Path.home() / ".cache" / "asyncpp" / "kernels"))
+
+
+@functools.cache
+def load_kernel_library(name: str) -> ctypes.CDLL | None:
+    """Load `asyncpp/kernels/<name>.c` as a shared library, compiling it on first use."""
+    log = get_logger(role="kernels", kernel=name)
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        log.info("kernel_disabled", env=DISABLE_ENV)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("kernel_unavailable", reason="no C compiler (cc/gcc) on PATH; using the torch fallback")
+        return None
+    source = resources.files("asyncpp.kernels").joinpath(f"{name}.c").read_bytes()
+    try:
+        target = kernel_cache_dir() / f"{name}-{_build_key(compiler, source)}.so"
+        if not target.exists():
+            _compile(compiler, source, target)
+            log.info("kernel_compiled", path=str(target))
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        log.warning("kernel_unavailable", reason=f"build failed: {detail.strip()[:500]}; using the torch fallback")
+        return None
+
+
+def _build_key(compiler: str, source: bytes) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    digest = hashlib.sha256(source)
+    for part in (version, " ".join(_FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compile(compiler: str, source: bytes, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "kernel.c"
+        src.write_bytes(source)
+        out = Path(tmp) / "kernel.so"
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, check=True)
+        os.replace(out, target)

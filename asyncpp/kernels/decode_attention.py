@@ -1,0 +1,65 @@
+"""Paged decode attention on CPU through the C kernel in `decode_attention.c`.
+
+`decode_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim)`
+returns a callable, or None when the kernel cannot serve that case here (not
+a CPU device, another dtype, a head_dim that is not a multiple of 16, no C
+compiler); `asyncpp.model.attention` then keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable
+
+import torch
+
+from asyncpp.kernels.build import load_kernel_library
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in decode_attention.c
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+             ctypes.c_float, _I64, ctypes.c_int, ctypes.c_int]
+
+DecodeAttention = Callable[..., None]
+
+
+def decode_attention_kernel(
+    device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> DecodeAttention | None:
+    group = num_heads // num_kv_heads
+    supported = head_dim % 16 == 0 and head_dim <= 256 and group * num_kv_heads == num_heads and group <= 16
+    if torch.device(device).type != "cpu" or dtype not in _DTYPE_CODES or not supported:
+        return None
+    lib = load_kernel_library("decode_attention")
+    if lib is None:
+        return None
+    fn = lib.decode_attention
+    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    dtype_code = _DTYPE_CODES[dtype]
+
+    def decode_attention(
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] contiguous
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] contiguous
+        block_table: torch.Tensor,  # [num_reqs, max_num_blocks] int64 contiguous
+        rows: torch.Tensor,  # [num_reqs] int64: token row of each request's query and output
+        context_lens: torch.Tensor,  # [num_reqs] int64: keys per request, the new token included
+        max_context_len: int,
+        block_size: int,
+        out: torch.Tensor,  # [num_tokens, num_heads * head_dim] contiguous, written at `rows`
+        scale: float,
+    ) -> None:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode attention needs head-contiguous q and contiguous caches")
+        status = fn(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_table.data_ptr(), block_table.stride(0), rows.data_ptr(), context_lens.data_ptr(),
+            out.data_ptr(), out.stride(0), rows.shape[0], num_heads, k_cache.shape[1], head_dim,
+            block_size, scale,
+            max_context_len, dtype_code, torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"decode attention kernel failed with status {status}")
+
+    return decode_attention

@@ -1,0 +1,160 @@
+"""The C decode-attention kernel against a float64 reference, and against the torch path it replaces."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncpp.kernels import build
+from asyncpp.kernels.decode_attention import decode_attention_kernel
+from asyncpp.model.attention import AttentionMetadata, paged_attention
+
+BLOCK_SIZE = 16
+
+
+def _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim):
+    fn = decode_attention_kernel("cpu", dtype, num_heads, num_kv_heads, head_dim)
+    if fn is None:
+        pytest.skip("no C compiler: the decode kernel is unavailable here")
+    return fn
+
+
+def _case(num_heads, num_kv_heads, head_dim, context_lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    num_reqs = len(context_lens)
+    max_blocks = -(-max(context_lens) // BLOCK_SIZE)
+    num_blocks = num_reqs * max_blocks + 3
+    k_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)
+    # Scattered, non-monotonic blocks; unused table entries point at block 0 like the runner's padding.
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
+    for i, n in enumerate(context_lens):
+        used = -(-n // BLOCK_SIZE)
+        block_table[i, :used] = perm[i * max_blocks : i * max_blocks + used]
+    # q is a strided view, as in the model (q and k heads share one projection output).
+    qk = torch.randn(num_reqs, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)
+    return qk[:, :num_heads], k_cache, v_cache, block_table, torch.tensor(context_lens, dtype=torch.int64)
+
+
+def _reference(q, k_cache, v_cache, block_table, context_lens, scale):
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[1]
+    out = []
+    for i, n in enumerate(context_lens.tolist()):
+        pos = torch.arange(n)
+        slots = block_table[i, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
+        v = v_cache[slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v).reshape(num_heads * head_dim))
+    return torch.stack(out)
+
+
+def _run(fn, q, k_cache, v_cache, block_table, context_lens, rows=None, num_rows=None):
+    rows = torch.arange(q.shape[0]) if rows is None else rows
+    out = torch.full((num_rows or q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
+    scale = q.shape[2] ** -0.5
+    fn(q, k_cache, v_cache, block_table, rows, context_lens, int(context_lens.max()), BLOCK_SIZE, out, scale)
+    return out, scale
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim",
+    [(9, 3, 64), (4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 1, 128), (3, 3, 48)],
+)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_matches_float64_reference(num_heads, num_kv_heads, head_dim, dtype, atol):
+    fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim)
+    # 1 key, block boundaries (15/16/17, 32) and longer contexts in one batch.
+    q, k_cache, v_cache, block_table, context_lens = _case(
+        num_heads, num_kv_heads, head_dim, [1, 15, 16, 17, 32, 100, 203], dtype
+    )
+    out, scale = _run(fn, q, k_cache, v_cache, block_table, context_lens)
+    ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+def test_writes_only_the_given_rows():
+    fn = _kernel_or_skip(torch.float32, 4, 2, 16)
+    q, k_cache, v_cache, block_table, context_lens = _case(4, 2, 16, [5, 40], torch.float32)
+    # The two decode queries sit at rows 1 and 3 of a 5-token step (prefill rows in between).
+    q_rows = torch.zeros(5, *q.shape[1:])
+    q_rows[1], q_rows[3] = q[0], q[1]
+    rows = torch.tensor([1, 3])
+    out, scale = _run(fn, q_rows, k_cache, v_cache, block_table, context_lens, rows=rows, num_rows=5)
+    ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+    torch.testing.assert_close(out[rows].double(), ref, atol=2e-6, rtol=2e-6)
+    assert out[[0, 2, 4]].isnan().all(), "rows of other tokens must be left alone"
+
+
+def test_batch_invariant_and_thread_invariant():
+    fn = _kernel_or_skip(torch.bfloat16, 9, 3, 64)
+    q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [7, 64, 130, 33, 250, 1], torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together, _ = _run(fn, q, k_cache, v_cache, block_table, context_lens)
+        torch.set_num_threads(1)
+        for i in range(q.shape[0]):
+            alone, _ = _run(fn, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])
+            assert torch.equal(alone[0], together[i]), f"request {i} changed with the batch"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_kernel_equals_torch_path(dtype):
+    """A mixed prefill + decode step through `paged_attention`, with and without the kernel."""
+    num_heads, num_kv_heads, head_dim = 9, 3, 64
+    fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim)
+    g = torch.Generator().manual_seed(1)
+    start_positions = np.array([5, 0, 40, 17, 0, 63])
+    num_new_tokens = np.array([1, 9, 1, 1, 20, 1])
+    block_table = np.arange(6 * 6).reshape(6, 6)[:, ::-1].copy()
+    num_tokens = int(num_new_tokens.sum())
+    qk = torch.randn(num_tokens, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    cache_shape = (36 * BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, generator=g).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=g).to(dtype)
+    outs = []
+    for kernel in (None, fn):
+        meta, _ = AttentionMetadata.build(
+            start_positions, num_new_tokens, block_table, BLOCK_SIZE, "cpu", dtype, decode_kernel=kernel
+        )
+        assert (meta.kernel_decode is not None) == (kernel is not None)
+        outs.append(paged_attention(qk[:, :num_heads], k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
+    atol = 2e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
+
+
+def test_unsupported_shapes_and_devices_fall_back():
+    assert decode_attention_kernel("cpu", torch.float32, 4, 2, 24) is None  # head_dim not a multiple of 16
+    assert decode_attention_kernel("cpu", torch.float32, 5, 2, 16) is None  # heads not a multiple of kv heads
+    assert decode_attention_kernel("cpu", torch.float16, 4, 2, 16) is None
+    assert decode_attention_kernel("meta", torch.float32, 4, 2, 16) is None
+
+
+def test_build_cache_and_disable_switch(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCPP_KERNEL_CACHE", str(tmp_path))
+    build.load_kernel_library.cache_clear()
+    try:
+        lib = build.load_kernel_library("decode_attention")
+        if lib is None:
+            pytest.skip("no C compiler")
+        built = list(tmp_path.glob("decode_attention-*.so"))
+        assert len(built) == 1
+        mtime = built[0].stat().st_mtime_ns
+        build.load_kernel_library.cache_clear()
+        assert build.load_kernel_library("decode_attention") is not None
+        assert built[0].stat().st_mtime_ns == mtime, "a cached build must be reused, not rebuilt"
+
+        monkeypatch.setenv(build.DISABLE_ENV, "1")
+        build.load_kernel_library.cache_clear()
+        assert build.load_kernel_library("decode_attention") is None
+        assert decode_attention_kernel("cpu", torch.float32, 4, 2, 16) is None
+    finally:
+        build.load_kernel_library.cache_clear()

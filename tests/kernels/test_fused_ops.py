@@ -1,0 +1,90 @@
+"""Fused bfloat16 ops against the torch code they replace in the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncpp.kernels.fused_ops import fused_ops
+from asyncpp.model.arch import ModelArch
+from asyncpp.model.llama import MLP, RMSNorm, RotaryEmbedding
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    fused = fused_ops("cpu", BF16)
+    if fused is None:
+        pytest.skip("no C compiler: fused ops unavailable")
+    return fused
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bfloat16 units in the last place (same-sign values)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max())
+
+
+def test_only_bfloat16_on_cpu_is_fused():
+    assert fused_ops("cpu", torch.float32) is None
+    assert fused_ops("meta", BF16) is None
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(ops, num_tokens, with_residual):
+    g = torch.Generator().manual_seed(num_tokens)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(576, generator=g)).to(BF16)
+    x = (3 * torch.randn(num_tokens, 576, generator=g)).to(BF16)
+    residual = torch.randn(num_tokens, 576, generator=g).to(BF16) if with_residual else None
+    x_before = x.clone()
+    ref_out, ref_residual = norm(x, residual)
+    out, new_residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(new_residual, ref_residual)  # one rounding of the same float sum
+    assert torch.equal(x, x_before), "inputs must not be modified"
+    # Only the order of the float32 sum of squares differs: at most one bfloat16 step apart.
+    assert _bf16_ulps(out, ref_out) <= 1
+    assert (out == ref_out).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("num_tokens", [1, 64, 257])
+def test_silu_mul_matches_torch(ops, num_tokens):
+    arch = ModelArch(
+        vocab_size=10, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
+        head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    mlp = MLP(arch)
+    g = torch.Generator().manual_seed(0)
+    gate_up = (4 * torch.randn(num_tokens, 192, generator=g)).to(BF16)
+    gate, up = gate_up.split(96, dim=-1)
+    ref = F.silu(gate) * up
+    out = ops.silu_mul(gate_up)
+    assert out.shape == ref.shape
+    assert _bf16_ulps(out, ref) <= 1  # expf vs torch's vectorised exp, then identical roundings
+    assert (out == ref).float().mean() > 0.99
+    mlp.to(BF16)  # the module path uses the same op
+    mlp.fused = ops
+    x = torch.randn(num_tokens, 32, generator=g).to(BF16)
+    fused_out = mlp(x)
+    mlp.fused = None
+    assert _bf16_ulps(fused_out, mlp(x)) <= 2
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_rope_matches_torch_in_place(ops, head_dim):
+    g = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    positions = torch.randint(0, 512, (37,), generator=g)
+    # A strided view like the model's: q and k heads of a wider qkv projection.
+    qkv = torch.randn(37, 5 * head_dim, generator=g).to(BF16)
+    qk = qkv[:, : 4 * head_dim].view(37, 4, head_dim)
+    ref = rope.for_step(positions, BF16, None).apply(qk.clone())
+    v_before = qkv[:, 4 * head_dim :].clone()
+    out = rope.for_step(positions, BF16, ops).apply(qk)
+    assert out.data_ptr() == qk.data_ptr()
+    assert torch.equal(out, ref)
+    assert torch.equal(qkv[:, 4 * head_dim :], v_before), "v must be left alone"
