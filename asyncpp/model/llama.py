@@ -9,6 +9,8 @@ slice; chaining slices gives bit-identical results to the whole model.
 
 Weights arrive as HF-named tensors (see `asyncpp.weights`); q/k/v and
 gate/up are concatenated at load time so each layer does 4 matmuls.
+`use_fused_ops` swaps the elementwise code (add + norm, SiLU * up, RoPE)
+for fused kernels with the same roundings (`asyncpp.kernels.fused_ops`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncpp.kernels.fused_ops import FusedOps
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.attention import AttentionMetadata, paged_attention
 from asyncpp.model.intermediate import IntermediateTensors
@@ -27,12 +30,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.fused: FusedOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like HF, then scale in the activation dtype. The fused kernel is
-        # bit-identical to HF's x * rsqrt(mean(x^2) + eps) in float32 (tested) and 3 ops, not 8.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); with no residual, (norm(x), x)."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x if residual is None else residual + x
+        # Normalise in float32 like HF, then scale in the activation dtype. torch's fused kernel
+        # is bit-identical to HF's x * rsqrt(mean(x^2) + eps) in float32 (tested) and 3 ops, not 8.
+        normed = F.rms_norm(residual.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype), residual
 
 
 class RotaryEmbedding(nn.Module):
@@ -46,15 +54,29 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)  # [max_position, head_dim]
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[num_tokens, 1, head_dim]` for a step; looked up once, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, fused: FusedOps | None) -> "StepRope":
+        """The step's rotation: cos/sin looked up once, used by every layer."""
+        if fused is not None:
+            return StepRope(positions, (self.cos, self.sin), fused)
+        cos_sin = (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+        return StepRope(positions, cos_sin, None)
 
 
-def apply_rope(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate `[num_tokens, num_heads, head_dim]` by the step's `[num_tokens, 1, head_dim]` cos/sin."""
-    cos, sin = cos_sin
-    return x * cos + _rotate_half(x) * sin
+class StepRope:
+    """Rotates `[num_tokens, num_heads, head_dim]` q/k by one step's positions."""
+
+    def __init__(
+        self, positions: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], fused: FusedOps | None
+    ) -> None:
+        # fused: the float32 [max_position, head_dim] tables; else the step's [num_tokens, 1, head_dim] rows.
+        self.positions, self.cos_sin, self.fused = positions, cos_sin, fused
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The rotated `x`; the fused kernel rotates in place."""
+        cos, sin = self.cos_sin
+        if self.fused is not None:
+            return self.fused.rope_(x, self.positions, cos, sin)
+        return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,14 +96,14 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent in the projection: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rope(qk, cos_sin)
+        qk = rope.apply(qk)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
@@ -94,9 +116,13 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.fused: FusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -112,15 +138,14 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: StepRope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden if residual is None else residual + hidden
-        hidden = self.self_attn(self.input_layernorm(residual), cos_sin, kv_cache, meta)
-        residual = residual + hidden
-        hidden = self.mlp(self.post_attention_layernorm(residual))
-        return hidden, residual
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -142,6 +167,14 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.requires_grad_(False)
+        self.fused: FusedOps | None = None
+
+    def use_fused_ops(self, fused: FusedOps | None) -> None:
+        """Run norms, SiLU * up and RoPE through `fused` (None: plain torch)."""
+        self.fused = fused
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP)):
+                module.fused = fused
 
     @property
     def num_layers(self) -> int:
@@ -160,12 +193,12 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
-        cos_sin = self.rope.lookup(positions, hidden.dtype)
+        rope = self.rope.for_step(positions, hidden.dtype, self.fused)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos_sin, kv_cache, meta)
+            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
         if not self.is_last:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        return self.norm(hidden + residual)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden)

@@ -11,10 +11,12 @@ import time
 import torch
 
 from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
+from asyncpp.kernels.fused_ops import fused_ops
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.llama import LlamaModel
+from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.weights import load_weights
 from asyncpp.worker.kv_cache import allocate_kv_caches
 from asyncpp.worker.model_runner import ModelRunner
@@ -37,7 +39,16 @@ def build_model_slice(
     del tensors
     model = model.to(device=device, dtype=dtype)
     model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
-    log.info("model_slice_loaded", source=source, dtype=str(dtype), duration_s=round(time.perf_counter() - t0, 3))
+    num_packed = pack_linear_layers(model) if can_pack(device, dtype) else 0
+    model.use_fused_ops(fused_ops(device, dtype))
+    log.info(
+        "model_slice_loaded",
+        source=source,
+        dtype=str(dtype),
+        num_packed_linears=num_packed,
+        fused_ops=model.fused is not None,
+        duration_s=round(time.perf_counter() - t0, 3),
+    )
     return model
 
 
