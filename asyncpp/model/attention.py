@@ -10,8 +10,11 @@ computing one token (decode) are batched together with a key-padding mask,
 in buckets of similar context length so little time goes to padding,
 unless a decode kernel is given (`asyncpp.kernels.decode_attention`, CPU):
 then decode requests read their keys in place through the block table;
-requests computing several tokens (prefill chunks, possibly after cached
-prefix blocks) are batched with a causal mask offset by their start position.
+requests computing their first tokens (a prompt's first chunk, nothing
+cached) attend to this step's own keys, one causal SDPA call per request:
+no gather, no padding, no mask; other prefill chunks (after cached prefix
+blocks or earlier chunks) are batched with a causal mask offset by their
+start position.
 Keys and values are gathered a whole block at a time (`index_select`, which
 is several times faster than advanced indexing on CPU) and go through
 `scaled_dot_product_attention` with grouped-query heads.
@@ -19,7 +22,7 @@ is several times faster than advanced indexing on CPU) and go through
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -61,6 +64,7 @@ class AttentionMetadata:
     groups: list[_Group]
     block_size: int
     kernel_decode: _KernelDecode | None = None
+    fresh_prefills: list[tuple[int, int]] = field(default_factory=list)  # token rows [start, end) per request
 
     @staticmethod
     def build(
@@ -99,7 +103,9 @@ class AttentionMetadata:
             groups.append(
                 _build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
             )
-        prefills = np.nonzero(~is_decode)[0]
+        is_fresh = ~is_decode & (start_positions == 0)
+        fresh_prefills = [(int(query_start[i]), int(query_start[i + 1])) for i in np.nonzero(is_fresh)[0]]
+        prefills = np.nonzero(~is_decode & ~is_fresh)[0]
         if len(prefills):
             groups.append(
                 _build_group(prefills, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
@@ -109,6 +115,7 @@ class AttentionMetadata:
             groups=groups,
             block_size=block_size,
             kernel_decode=kernel_decode,
+            fresh_prefills=fresh_prefills,
         )
         return meta, positions
 
@@ -187,6 +194,12 @@ def paged_attention(
     out = q.new_empty(num_tokens, num_heads * head_dim)
     if (kd := meta.kernel_decode) is not None:
         kd.fn(q, k_cache, v_cache, kd.block_table, kd.rows, kd.context_lens, kd.max_context_len, meta.block_size, out, scale)
+    for start, end in meta.fresh_prefills:
+        # [1, heads, len, head_dim] views of this step's rows: the request's whole context is here.
+        # (4-D: torch's CPU flash kernel takes no 3-D input and would fall back to the math path.)
+        qr, kr, vr = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        og = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = og[0].transpose(0, 1).reshape(end - start, num_heads * head_dim)
     for g in meta.groups:
         num_reqs = g.query_idx.shape[0]
         qg = q[g.query_idx].transpose(1, 2)  # [num_reqs, num_heads, max_q, head_dim]
