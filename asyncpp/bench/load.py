@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncpp.bench.cpu import CpuSnapshot
 from asyncpp.bench.datasets import BenchRequest
 from asyncpp.bench.metrics import RequestRecord, TokenTimer
 from asyncpp.client import AsyncClient
@@ -30,6 +31,8 @@ class LoadResult:
     duration_s: float  # first send to last finish
     stats_before: dict[str, Any]
     stats_after: dict[str, Any]
+    cpu_before: CpuSnapshot  # taken with stats_before / stats_after
+    cpu_after: CpuSnapshot
 
 
 def sampling_params(output_len: int, ignore_eos: bool, temperature: float) -> dict[str, Any]:
@@ -85,6 +88,7 @@ async def run_load(
     try:
         await warm_up(client, warmup_requests, temperature)
         stats_before = await client.stats()
+        cpu_before = CpuSnapshot.take(stats_before.get("stage_pids", []))
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
         async def limited(request: BenchRequest) -> RequestRecord:
@@ -107,6 +111,7 @@ async def run_load(
         records = list(await asyncio.gather(*tasks))
         finished = max((r.sent_at + r.e2e_s for r in records if r.e2e_s is not None), default=time.monotonic())
         stats_after = await client.stats()
-        return LoadResult(records, finished - started, stats_before, stats_after)
+        cpu_after = CpuSnapshot.take(stats_after.get("stage_pids", []))
+        return LoadResult(records, finished - started, stats_before, stats_after, cpu_before, cpu_after)
     finally:
         client.close()

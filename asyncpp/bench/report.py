@@ -46,6 +46,13 @@ def run_block(run: dict[str, Any]) -> str:
     row("Engine steps:", st["num_steps"])
     for rank, (p50, p99) in enumerate(zip(st["handoff_us_p50"], st["handoff_us_p99"])):
         row(f"Hand-off {rank}->{rank + 1} p50 / p99 (us):", f"{fmt(p50, 1)} / {fmt(p99, 1)}")
+    lines.append(" CPU time (measured window) ".center(WIDTH, "-"))
+    cpu = run["cpu"]
+    processes = [("Engine", cpu["engine"]), ("Client", cpu["client"])]
+    processes += [(f"Stage {rank}", figures) for rank, figures in enumerate(cpu["stages"])]
+    processes += [("Machine busy", cpu["machine_busy"]), ("Machine stolen", cpu["machine_stolen"])]
+    for name, figures in processes:
+        row(f"{name} CPU %core / us/out tok:", _cpu(figures))
     for kind, mc in run["memcpy"].items():
         label = f"memcpy {kind} {mc['num_tokens']} tok {mc['nbytes'] / 1024:.0f} KiB p50/p99 (us):"
         row(label, f"{fmt(mc['p50_us'], 1)} / {fmt(mc['p99_us'], 1)}")
@@ -72,6 +79,8 @@ def summary_table(result: dict[str, Any]) -> str:
         add(f"{name.upper()} mean/p50/p99 ms", [triple(m, name) for m in ms], "-")
     add("stage busy fraction", ["/".join(fmt(b) for b in r["stages"]["busy_fraction"]) for r in runs], "-")
     add("hand-off p50/p99 us", [_handoff(r) for r in runs], "-")
+    add("engine CPU %core / us/tok", [_cpu(r["cpu"]["engine"]) for r in runs], "-")
+    add("client CPU %core / us/tok", [_cpu(r["cpu"]["client"]) for r in runs], "-")
     add("memcpy decode/prefill us", [_memcpy(r) for r in runs], "-")
     widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
     out = [" Summary ".center(sum(widths) + 2 * len(widths), "=")]
@@ -98,6 +107,10 @@ def _handoff(run: dict[str, Any]) -> str:
     if not st["handoff_us_p50"]:
         return "-"
     return ", ".join(f"{fmt(a, 0)}/{fmt(b, 0)}" for a, b in zip(st["handoff_us_p50"], st["handoff_us_p99"]))
+
+
+def _cpu(figures: dict[str, Any]) -> str:
+    return f"{fmt(figures['core_pct'], 1)} / {fmt(figures['cpu_us_per_output_token'], 0)}"
 
 
 def _memcpy(run: dict[str, Any]) -> str:

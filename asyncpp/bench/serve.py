@@ -17,12 +17,12 @@ requests through `transformers` generate (static batches, best batch size).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import math
 import os
 import platform
+import re
 import signal
 import sys
 import tempfile
@@ -32,15 +32,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import uvloop
 
 import asyncpp
 from asyncpp.bench import report
+from asyncpp.bench.cpu import window_cpu
 from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
-from asyncpp.bench.load import run_load
+from asyncpp.bench.load import LoadResult, run_load
 from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
 from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
+from asyncpp.profiling import profiled
 from asyncpp.progress import Progress
 
 DEFAULT_CONFIG = "configs/default.toml"
@@ -95,9 +98,11 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
     config = validate(sections)
     config_path.write_text(to_toml(sections))
     bars: list[Progress] = []  # started when the measured requests start, not at engine launch
-    with launched_engine(config_path, ready_timeout_s=args.ready_timeout) as engine:
+    engine_ctx = launched_engine(config_path, ready_timeout_s=args.ready_timeout)
+    with engine_ctx as engine, profiled(f"client-{_slug(run.label)}"):
         try:
-            load = asyncio.run(
+            # uvloop, like the engine: the client's own loop overhead is CPU taken from the stages.
+            load = uvloop.run(
                 run_load(
                     engine.address, requests, warmup,
                     max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
@@ -121,6 +126,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         "num_cores": config.parallel.pp_size * config.parallel.num_threads,
         "metrics": metrics,
         "stages": stages,
+        "cpu": cpu_section(load, metrics["total_output_tokens"]),
         "memcpy": memcpy_reference(config, metrics, stages["num_steps"]),
         "engine": {
             "pid": engine.pid,
@@ -142,6 +148,28 @@ def stage_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "handoff_us_p50": after["handoff_us_p50"],
         "handoff_us_p99": after["handoff_us_p99"],
         "handoff_scope": "the engine's last 10000 steps, warm-up included",
+    }
+
+
+def cpu_section(load: LoadResult, num_output_tokens: int) -> dict[str, Any]:
+    """CPU used over the measured window (between the two stats snapshots) by each process of the run."""
+    before, after = load.stats_before, load.stats_after
+    engine_window_s = after["uptime_s"] - before["uptime_s"]
+    client_window_s = load.cpu_after.monotonic_s - load.cpu_before.monotonic_s
+    machine = [load.cpu_before.machine_cpu_s, load.cpu_after.machine_cpu_s]
+    busy, stolen = ([m[i] if m else None for m in machine] for i in (0, 1))
+    return {
+        "num_output_tokens": num_output_tokens,
+        "machine_busy": window_cpu(*busy, client_window_s, num_output_tokens),
+        "machine_stolen": window_cpu(*stolen, client_window_s, num_output_tokens),
+        "engine": window_cpu(before.get("cpu_s"), after.get("cpu_s"), engine_window_s, num_output_tokens),
+        "client": window_cpu(
+            load.cpu_before.client_cpu_s, load.cpu_after.client_cpu_s, client_window_s, num_output_tokens
+        ),
+        "stages": [
+            window_cpu(b, a, client_window_s, num_output_tokens)
+            for b, a in zip(load.cpu_before.stage_cpu_s, load.cpu_after.stage_cpu_s)
+        ],
     }
 
 
@@ -253,6 +281,10 @@ def _sigterm_as_interrupt():
 
     previous = signal.signal(signal.SIGTERM, handler)
     return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", label)
 
 
 def _plain(args: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from asyncpp.bench.datasets import random_requests
 from asyncpp.bench.engine_proc import launched_engine
 from asyncpp.bench.metrics import RATIO_METRICS
 from tests.conftest import has_transformers
+from tests.runtime.conftest import wait_until
 from tests.runtime.harness import pid_alive, shm_segments, tiny_sections, to_toml
 
 NUM_PROMPTS = 12
@@ -116,7 +118,9 @@ def test_interrupt_stops_the_engine(tiny_toml):
             raise KeyboardInterrupt
     assert len(pids) >= 3  # the launcher and its two stages
     assert engine.proc.returncode == 0
-    assert not any(pid_alive(pid) for pid in pids)
+    # The stages are reaped before the launcher exits; multiprocessing's resource tracker
+    # (also its child) exits when it sees the launcher gone, a moment later.
+    wait_until(lambda: not any(pid_alive(pid) for pid in pids), 5, "every process of the engine exits")
 
 
 @pytest.mark.skipif(not has_transformers(), reason="transformers is not installed")
@@ -141,3 +145,15 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+def test_cpu_figures_cover_engine_client_and_stages(result):
+    for run in result["runs"]:
+        cpu, window_s = run["cpu"], run["stages"]["window_s"]
+        num_tokens = run["metrics"]["total_output_tokens"]
+        assert cpu["num_output_tokens"] == num_tokens
+        assert len(cpu["stages"]) == run["pp_size"]
+        for figures in [cpu["engine"], cpu["client"], *cpu["stages"], cpu["machine_busy"]]:
+            assert 0 < figures["cpu_s"] < (os.cpu_count() + 1) * window_s, figures
+            assert figures["cpu_us_per_output_token"] == pytest.approx(figures["cpu_s"] * 1e6 / num_tokens)
+        assert cpu["engine"]["core_pct"] == pytest.approx(100 * cpu["engine"]["cpu_s"] / window_s)
