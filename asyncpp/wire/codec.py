@@ -6,6 +6,12 @@ hints, checking every field's type (nested dataclasses, lists, tuples,
 dicts, frozensets, optionals, unions of simple types). Anything unexpected
 raises `WireError` with the offending field named, so a bad frame from one
 peer becomes an error reply, never a crash or a silently wrong value.
+
+The generic walk below (`_to_plain`, `_from_plain`) is the reference; the
+hot path uses per-class functions compiled from the same hints
+(`asyncpp.wire.compiled`) and falls back to the reference whenever a frame
+does not fit them, so errors read the same either way. Sets are sent
+sorted, so equal messages always make equal frames.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from functools import cache
 from typing import Any
 
 import msgpack
+
+from asyncpp.wire.compiled import Mismatch, canonical_order, decoder_for, encoder_for, hints_of
 
 
 class WireError(ValueError):
@@ -40,10 +47,14 @@ def message(tag: str):
 
 
 def encode(msg: Any) -> bytes:
-    tag = getattr(type(msg), "WIRE_TAG", None)
+    cls = type(msg)
+    tag = getattr(cls, "WIRE_TAG", None)
     if tag is None:
-        raise TypeError(f"{type(msg).__name__} is not a registered wire message")
-    return msgpack.packb([tag, _to_plain(msg)], use_bin_type=True)
+        raise TypeError(f"{cls.__name__} is not a registered wire message")
+    try:
+        return _pack([tag, encoder_for(cls)(msg)])
+    except TypeError:  # a value unlike its hint (a set where a list is declared): walk it generically
+        return _pack([tag, _to_plain(msg)])
 
 
 def decode(frame: bytes, max_bytes: int | None = None) -> Any:
@@ -58,29 +69,33 @@ def decode(frame: bytes, max_bytes: int | None = None) -> Any:
     cls = _REGISTRY.get(obj[0])
     if cls is None:
         raise WireError(f"unknown message type {obj[0]!r}")
-    return _from_plain(cls, obj[1], cls.__name__)
+    try:
+        return decoder_for(cls)(obj[1])
+    except Mismatch:  # something is off: the reference walk finds it and names the field
+        return _from_plain(cls, obj[1], cls.__name__)
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
 
 
 def _to_plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple, frozenset, set)):
+    if isinstance(value, (frozenset, set)):
+        return [_to_plain(v) for v in canonical_order(value)]
+    if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
     return value
 
 
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def _from_plain(hint: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
             raise WireError(f"{where} must be a map, got {type(value).__name__}")
-        hints = _hints(hint)
+        hints = hints_of(hint)
         names = {f.name for f in dataclasses.fields(hint)}
         unknown = set(value) - names
         if unknown:
