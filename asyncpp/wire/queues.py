@@ -1,10 +1,10 @@
-"""Tiny queue classes around ZMQ sockets; the only place that imports `zmq`.
+"""Tiny queue classes around ZMQ sockets; with `loop_socket`, the only place that imports `zmq`.
 
 Stages use the blocking `PushQueue` / `PullQueue`; the engine and clients use
-the asyncio variants. Every frame is encoded by `asyncpp.wire.codec`.
-`RouterQueue` (engine, one socket for all clients) hands back the peer id with
-each message or the `WireError` that frame raised, so one bad client never
-disturbs the others.
+the asyncio variants, which drive plain sockets through `LoopSocket`. Every
+frame is encoded by `asyncpp.wire.codec`. `RouterQueue` (engine, one socket
+for all clients) hands back the peer id with each message or the `WireError`
+that frame raised, so one bad client never disturbs the others.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
-import zmq.asyncio
 
 from asyncpp.wire.codec import WireError, decode, encode
+from asyncpp.wire.loop_socket import LoopSocket
 
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
@@ -64,28 +64,28 @@ class PullQueue:
 
 class AsyncPushQueue:
     def __init__(self, address: str, bind: bool = False) -> None:
-        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.PUSH, address, bind)
+        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PUSH, address, bind))
 
     async def put(self, msg: Any) -> None:
-        await self._sock.send(encode(msg), copy=False)
+        await self._io.send(encode(msg))
 
     async def put_encoded(self, frame: bytes) -> None:
         """Send a frame made by `asyncpp.wire.codec.encode` (a broadcast encodes once)."""
-        await self._sock.send(frame, copy=False)
+        await self._io.send(frame)
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._io.close()
 
 
 class AsyncPullQueue:
     def __init__(self, address: str, bind: bool = False) -> None:
-        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.PULL, address, bind)
+        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PULL, address, bind))
 
     async def get(self) -> Any:
-        return decode(await self._sock.recv(copy=True))
+        return decode(await self._io.recv())
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._io.close()
 
 
 class PeerGoneError(ConnectionError):
@@ -96,24 +96,25 @@ class RouterQueue:
     """Engine side of the client channel: many peers on one bound socket."""
 
     def __init__(self, address: str, max_frame_bytes: int) -> None:
-        self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         # Sending to a disconnected peer raises instead of dropping silently: that is
         # how the engine learns a client went away and aborts its requests.
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._sock.bind(address)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.bind(address)
+        self._io = LoopSocket(sock)
         self.max_frame_bytes = max_frame_bytes
 
     @property
     def address(self) -> str:
-        return self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return self._io.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     async def get(self) -> tuple[bytes, Any]:
         """(peer id, message), or (peer id, WireError) for a frame that did not decode."""
-        frames = await self._sock.recv_multipart(copy=True)
+        frames = await self._io.recv_multipart()
         peer, payload = frames[0], frames[-1]
         if len(frames) != 2:
             return peer, WireError(f"expected one frame per message, got {len(frames) - 1}")
@@ -124,31 +125,32 @@ class RouterQueue:
 
     async def put(self, peer: bytes, msg: Any) -> None:
         try:
-            await self._sock.send_multipart([peer, encode(msg)], copy=False)
+            await self._io.send_multipart([peer, encode(msg)])
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 raise PeerGoneError(f"client {peer.hex()} is gone") from e
             raise
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._io.close()
 
 
 class DealerQueue:
     """Client side of the client channel."""
 
     def __init__(self, address: str) -> None:
-        self._sock = _socket(zmq.asyncio.Context.instance(), zmq.DEALER, address, bind=False)
+        self._sock = _socket(zmq.Context.instance(), zmq.DEALER, address, bind=False)
+        self._io = LoopSocket(self._sock)
 
     async def put(self, msg: Any) -> None:
-        await self._sock.send(encode(msg), copy=False)
+        await self._io.send(encode(msg))
 
     async def put_raw(self, payload: bytes) -> None:
         """Send bytes as they are (tests use it to send malformed frames)."""
-        await self._sock.send(payload, copy=False)
+        await self._io.send(payload)
 
     async def get(self) -> Any:
-        return decode(await self._sock.recv(copy=True))
+        return decode(await self._io.recv())
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._io.close()
