@@ -12,6 +12,7 @@ task, aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ from asyncpp.wire.client_msgs import (
     HealthReply,
     HealthRequest,
     RequestDelta,
+    RequestDeltas,
     StatsReply,
     StatsRequest,
 )
@@ -40,7 +42,7 @@ class AsyncClient:
     def __init__(self, address: str) -> None:
         self.address = address
         self._queue = DealerQueue(address)
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self._reader: asyncio.Task | None = None
@@ -53,8 +55,13 @@ class AsyncClient:
     async def _read_loop(self) -> None:
         while True:
             msg = await self._queue.get()
-            if isinstance(msg, (RequestDelta, ErrorReply)) and msg.request_id in self._streams:
-                self._streams[msg.request_id].put_nowait(msg)
+            if isinstance(msg, RequestDeltas):  # one step's deltas for this client's requests
+                for delta in msg.deltas():
+                    stream = self._streams.get(delta.request_id)
+                    if stream is not None:
+                        stream.put(delta)
+            elif isinstance(msg, ErrorReply) and msg.request_id in self._streams:
+                self._streams[msg.request_id].put(msg)
             elif isinstance(msg, (HealthReply, StatsReply)) and msg.nonce in self._replies:
                 fut = self._replies.pop(msg.nonce)
                 if not fut.done():
@@ -77,7 +84,7 @@ class AsyncClient:
             params = dict(sampling_params or {})
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = _Stream()
         self._streams[request_id] = stream
         finished = False
         try:
@@ -125,6 +132,28 @@ class AsyncClient:
         if self._reader is not None:
             self._reader.cancel()
         self._queue.close()
+
+
+class _Stream:
+    """One request's replies, in order, for its one reader: a deque and a future, lighter than
+    `asyncio.Queue` (the reader is woken once per token, so this is on the client's hot path)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[RequestDelta | ErrorReply] = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, msg: RequestDelta | ErrorReply) -> None:
+        self._items.append(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> RequestDelta | ErrorReply:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
 
 
 def _error_from(msg: ErrorReply) -> Exception:

@@ -23,6 +23,7 @@ from asyncpp.client import AsyncClient
 from asyncpp.config import EngineConfig, load_config
 from asyncpp.engine.engine import EngineCapacity, EngineCore, resolve_capacity
 from asyncpp.logging import configure_logging, get_logger
+from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.engine_server import EngineServer
 from asyncpp.runtime.stage_group import StageGroup
@@ -103,18 +104,20 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             num_kv_blocks=num_blocks,
             startup_s=round(time.monotonic() - t0, 2),
         )
-        print(f"asyncpp ready: clients connect to {router.address}", file=sys.stderr, flush=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain_and_stop()))
-        serving = asyncio.create_task(server.serve())
-        if ns.prompt is not None:
-            ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
-            if not server.is_dead:
-                await server.drain_and_stop()
-            code = await serving
-            return code if ok else 1
-        return await serving
+        # Only now: whoever reads this line may signal us at once.
+        print(f"asyncpp ready: clients connect to {router.address}", file=sys.stderr, flush=True)
+        with profiled("engine"):
+            serving = asyncio.create_task(server.serve())
+            if ns.prompt is not None:
+                ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
+                if not server.is_dead:
+                    await server.drain_and_stop()
+                code = await serving
+                return code if ok else 1
+            return await serving
     finally:
         if server is not None:
             server.router.close()

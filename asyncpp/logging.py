@@ -56,3 +56,9 @@ def get_logger(**bound: Any) -> Any:
     if not _configured:
         configure_logging(level="warning")
     return structlog.get_logger().bind(**bound)
+
+
+def is_debug_enabled(log: Any) -> bool:
+    """Whether `log.debug` events are kept; hot loops check once instead of computing fields for nothing."""
+    is_enabled_for = getattr(log, "is_enabled_for", None)
+    return True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))

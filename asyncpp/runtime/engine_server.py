@@ -5,8 +5,14 @@ Four tasks share one loop and never block it:
 * schedule: keep up to `max_in_flight` (= pp_size + 1) steps in flight, each a
   disjoint cohort, dispatching as soon as the window has room;
 * outputs: collect one `StageOutput` per stage per step, matched by step_id,
-  and complete a step only when every stage has reported it;
-* watchdog: a dead stage fails every request with an engine-dead error.
+  and complete a step only when every stage has reported it: update the
+  scheduler, dispatch the next plans, then send each client one
+  `RequestDeltas` frame with all of its deltas of the step;
+* watchdog: sleeps until a stage process exits, then fails every request with
+  an engine-dead error.
+Every CPU-millisecond spent here is taken from the stages when there are as
+many cores as stages, so the per-step path avoids work nobody asked for
+(debug events are built only when debug logging is on).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +31,7 @@ from asyncpp.core.request import RequestStatus
 from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.errors import InvalidRequestError
-from asyncpp.logging import get_logger
+from asyncpp.logging import get_logger, is_debug_enabled
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
@@ -33,7 +40,7 @@ from asyncpp.wire.client_msgs import (
     GenerateRequest,
     HealthReply,
     HealthRequest,
-    RequestDelta,
+    RequestDeltas,
     StatsReply,
     StatsRequest,
 )
@@ -63,6 +70,8 @@ class EngineServer:
         self.peer_of: dict[str, bytes] = {}
         self.log = get_logger(role="engine", pp_rank=None)
         self._wake = asyncio.Event()
+        self._dispatch_lock = asyncio.Lock()
+        self._is_debug = is_debug_enabled(self.log)  # per-step debug events cost even when filtered out
         self._stop = asyncio.Event()
         self.is_dead = False
         self.is_draining = False
@@ -188,17 +197,21 @@ class EngineServer:
             pass
 
     async def _deliver(self, outputs: list[RequestOutput]) -> None:
-        gone: set[bytes] = set()
+        """Send one step's deltas: one `RequestDeltas` frame per client."""
+        by_peer: dict[bytes, list[RequestOutput]] = {}
         for out in outputs:
             peer = self.peer_of.get(out.request_id)
             if peer is None:
                 continue
             if out.finished:
                 del self.peer_of[out.request_id]
+            by_peer.setdefault(peer, []).append(out)
+        gone: list[bytes] = []
+        for peer, peer_outputs in by_peer.items():
             try:
-                await self.router.put(peer, _to_delta(out))
+                await self.router.put(peer, RequestDeltas.of(peer_outputs))
             except PeerGoneError:
-                gone.add(peer)
+                gone.append(peer)
         for peer in gone:
             await self._drop_peer(peer)
 
@@ -207,15 +220,27 @@ class EngineServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            await self._dispatch()
+
+    async def _dispatch(self) -> None:
+        """Fill the in-flight window with fresh plans.
+
+        Called by the schedule loop (new requests, aborts) and by `_complete`
+        right after the scheduler took a step's output, before its deltas are
+        sent, so stages never wait on delivery to clients. The lock keeps every
+        stage's plans in step order when both call at once.
+        """
+        async with self._dispatch_lock:
             while len(self.in_flight) < self.max_in_flight and not self.is_dead:
                 plan = self.core.scheduler.schedule(max_num_reqs=self._cohort_size())
                 if plan is None:
                     break
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 await self.stages.broadcast(plan)
-                self.log.debug(
-                    "step_dispatched", step_id=plan.step_id, num_reqs=plan.num_reqs, num_tokens=plan.num_tokens
-                )
+                if self._is_debug:
+                    self.log.debug(
+                        "step_dispatched", step_id=plan.step_id, num_reqs=plan.num_reqs, num_tokens=plan.num_tokens
+                    )
 
     def _cohort_size(self) -> int:
         # Spread the live requests over pp_size steps so every stage has work (disjoint cohorts).
@@ -248,29 +273,28 @@ class EngineServer:
             self.core.scheduler.update_from_output(step.plan, {})
             for r in step.plan.scheduled:
                 await self._fail(r.request_id, errors[0], "internal")
+            self._wake.set()  # the window has room again
         else:
+            # The scheduler is up to date once this returns, stop strings included (they finish
+            # requests during detokenization), so the next plans can leave before the deltas.
             results = self.core.process_output(step.plan, step.outputs[self.pp_size - 1].output)
+            await self._dispatch()
             await self._deliver(results)
-        self.log.debug(
-            "step_completed",
-            step_id=step.plan.step_id,
-            num_reqs=step.plan.num_reqs,
-            num_tokens=step.plan.num_tokens,
-            duration_ms=round((time.monotonic() - step.dispatched_at) * 1e3, 3),
-            num_running=self.core.scheduler.num_running,
-            num_waiting=self.core.scheduler.num_waiting,
-            kv_usage=round(self.core.block_manager.usage, 4),
-        )
-        self._wake.set()
+        if self._is_debug:
+            self.log.debug(
+                "step_completed",
+                step_id=step.plan.step_id,
+                num_reqs=step.plan.num_reqs,
+                num_tokens=step.plan.num_tokens,
+                duration_ms=round((time.monotonic() - step.dispatched_at) * 1e3, 3),
+                num_running=self.core.scheduler.num_running,
+                num_waiting=self.core.scheduler.num_waiting,
+                kv_usage=round(self.core.block_manager.usage, 4),
+            )
 
     # ---- failure ---------------------------------------------------------------------------
     async def _watchdog(self) -> None:
-        while True:
-            await asyncio.sleep(0.05)
-            dead = self.stages.dead_stages()
-            if dead:
-                await self._engine_dead(dead)
-                return
+        await self._engine_dead(await self.stages.wait_for_death())
 
     async def _engine_dead(self, dead: list[int]) -> None:
         self.is_dead = True
@@ -291,6 +315,8 @@ class EngineServer:
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "uptime_s": time.monotonic() - self.started_at,
+            "cpu_s": time.process_time(),  # this engine process, all threads: what it takes from the stages
+            "pid": os.getpid(),
             "stage_busy_s": list(self.stage_busy_s),
             "handoff_us_p50": [_percentile(h, 50) for h in self.handoff_us[:-1]],
             "handoff_us_p99": [_percentile(h, 99) for h in self.handoff_us[:-1]],
@@ -305,17 +331,3 @@ def _percentile(values, q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def _to_delta(out: RequestOutput) -> RequestDelta:
-    return RequestDelta(
-        request_id=out.request_id,
-        text=out.text,
-        token_ids=out.token_ids,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        logprobs=out.logprobs,
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-    )

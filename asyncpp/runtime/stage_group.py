@@ -43,6 +43,30 @@ class StageGroup:
     def dead_stages(self) -> list[int]:
         return [rank for rank, p in enumerate(self.procs) if p.exitcode is not None]
 
+    async def wait_for_death(self) -> list[int]:
+        """Ranks of the dead stages, as soon as any stage exits; no polling while they all live.
+
+        A process's sentinel (a pipe only the child holds open) turns readable
+        when it exits, a moment before the parent can reap it: then poll briefly.
+        """
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        for p in self.procs:
+            loop.add_reader(p.sentinel, on_exit)
+        try:
+            await exited
+        finally:
+            for p in self.procs:
+                loop.remove_reader(p.sentinel)
+        while not (dead := self.dead_stages()):
+            await asyncio.sleep(0.005)
+        return dead
+
     async def wait_ready(self, timeout_s: float) -> list[StageReady]:
         """Collect one `StageReady` per stage; raise if a stage dies or time runs out."""
         readies: dict[int, StageReady] = {}

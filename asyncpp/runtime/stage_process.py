@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncpp.core.plan import StepPlan
-from asyncpp.logging import configure_logging, get_logger
+from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
@@ -100,6 +100,7 @@ class Stage:
     def __init__(self, args: StageArgs, log) -> None:
         self.args = args
         self.log = log
+        self.is_debug = is_debug_enabled(log)
         self.plans = PullQueue(args.addresses.plan(args.pp_rank))
         self.outputs = PushQueue(args.addresses.stage_outputs)
         self.acts_in = PullQueue(args.addresses.activations(args.pp_rank), bind=True) if not args.is_first else None
@@ -162,7 +163,6 @@ class Stage:
             self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
 
     def _run_step(self, plan: StepPlan) -> StageOutput:
-        log = self.log.bind(step_id=plan.step_id)
         handoff_us, error = 0.0, None
         output = ModelRunnerOutput()
         t0 = t_written = time.time()
@@ -187,21 +187,23 @@ class Stage:
                 output = ModelRunnerOutput.with_kv_conn_output_only(None)
         except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
             error = f"stage {self.args.pp_rank}: {type(e).__name__}: {e}"
-            log.error("step_failed", error=error)
+            self.log.error("step_failed", step_id=plan.step_id, error=error)
             if self.runner is not None:
                 self.runner.execute_state = None
             if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
         t1 = time.time() if self.args.is_last or error is not None else t_written
-        log.debug(
-            "stage_done",
-            num_tokens=plan.num_tokens,
-            num_reqs=plan.num_reqs,
-            start_us=int(t0 * 1e6),
-            end_us=int(t1 * 1e6),
-            busy_ms=round((t1 - t0) * 1e3, 3),
-            handoff_us=round(handoff_us, 1),
-        )
+        if self.is_debug:  # this core is the pipeline's: spend nothing on an event nobody keeps
+            self.log.debug(
+                "stage_done",
+                step_id=plan.step_id,
+                num_tokens=plan.num_tokens,
+                num_reqs=plan.num_reqs,
+                start_us=int(t0 * 1e6),
+                end_us=int(t1 * 1e6),
+                busy_ms=round((t1 - t0) * 1e3, 3),
+                handoff_us=round(handoff_us, 1),
+            )
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
     def close(self) -> None:

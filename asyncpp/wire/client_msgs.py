@@ -1,14 +1,18 @@
 """Client <-> engine channel: requests in, streamed deltas and errors out.
 
 A `GenerateRequest` carries a prompt (text, token ids or chat messages) and
-plain sampling parameters; the engine answers with `RequestDelta` frames
-until one has `finished`, or an `ErrorReply`. Frames the engine cannot
-decode get an `ErrorReply` with `request_id` None.
+plain sampling parameters; the engine answers with `RequestDelta`s until one
+has `finished`, or an `ErrorReply`. Deltas travel in `RequestDeltas`
+frames: one per client per completed step, carrying every delta of that
+step for that client's requests (in step order per request), so a client
+with many requests costs one send per step, not one per token. Frames the
+engine cannot decode get an `ErrorReply` with `request_id` None.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from asyncpp.wire.codec import message
@@ -53,6 +57,46 @@ class RequestDelta:
     logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+
+
+@message("deltas")
+@dataclass(frozen=True)
+class RequestDeltas:
+    """One step's deltas for one client, column by column: entry i of every list is delta i.
+
+    Columns rather than a list of `RequestDelta` maps because this frame goes
+    out every step: packing and checking a few lists costs the engine and the
+    client far less per token than one nine-key map per delta.
+    """
+
+    # One column per `RequestDelta` field, in its order.
+    request_ids: list[str]
+    texts: list[str]
+    token_ids: list[list[int]]
+    finished: list[bool]
+    finish_reasons: list[str | None]
+    stop_reasons: list[int | str | None]
+    logprobs: list[list[Logprobs] | None]
+    num_prompt_tokens: list[int]
+    num_cached_tokens: list[int]
+
+    def __post_init__(self) -> None:
+        num_deltas = len(self.request_ids)
+        for f in fields(self):
+            if len(getattr(self, f.name)) != num_deltas:
+                raise ValueError(f"{f.name} has {len(getattr(self, f.name))} entries for {num_deltas} request ids")
+
+    @staticmethod
+    def of(deltas: Sequence[Any]) -> "RequestDeltas":
+        """From `RequestDelta`s, or anything with their fields (the engine's `RequestOutput`s)."""
+        return RequestDeltas(*([getattr(d, name) for d in deltas] for name in _DELTA_FIELDS))
+
+    def deltas(self) -> list[RequestDelta]:
+        return list(map(RequestDelta, *(getattr(self, f.name) for f in fields(self))))
+
+
+_DELTA_FIELDS = tuple(f.name for f in fields(RequestDelta))
+assert len(_DELTA_FIELDS) == len(fields(RequestDeltas)), "RequestDeltas needs one column per RequestDelta field"
 
 
 @message("error")

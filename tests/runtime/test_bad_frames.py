@@ -17,7 +17,7 @@ from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.launch import MAX_FRAME_BYTES
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDelta
+from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDelta, RequestDeltas
 from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import DealerQueue
 from asyncpp.wire.stage_msgs import Shutdown
@@ -112,13 +112,14 @@ async def test_bad_frames_and_invalid_requests_get_errors_while_others_are_serve
 
         # The client that sent all that garbage is still served normally.
         await dealer.put(GenerateRequest("fine", good_prompt, GOOD.to_dict()))
-        tokens = []
-        while True:
+        tokens, finished = [], False
+        while not finished:
             msg = await reply(dealer)
-            assert isinstance(msg, RequestDelta) and msg.request_id == "fine", msg
-            tokens += msg.token_ids
-            if msg.finished:
-                break
+            assert isinstance(msg, RequestDeltas) and msg.request_ids == ["fine"], msg  # its only request
+            (delta,) = msg.deltas()
+            assert delta.request_id == "fine", delta
+            tokens += delta.token_ids
+            finished = delta.finished
         assert tokens == expected
         stats = await poll_until(client.stats, is_idle, 5)
         assert not stats["is_dead"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import msgpack
@@ -17,6 +18,7 @@ from asyncpp.wire.client_msgs import (
     HealthReply,
     HealthRequest,
     RequestDelta,
+    RequestDeltas,
     StatsReply,
     StatsRequest,
 )
@@ -95,6 +97,14 @@ MESSAGES = [
         "r1", "!", [19], True, "stop", "END", [Logprobs(-0.1, [19], [-0.1])], num_prompt_tokens=5, num_cached_tokens=4
     ),
     RequestDelta("r2", "", [], True, "stop", 2),
+    RequestDeltas.of(
+        [
+            RequestDelta("r1", " there", [21], num_prompt_tokens=5),
+            RequestDelta("r2", "!", [19], True, "stop", "END", [Logprobs(-0.1, [19, 4], [-0.1, -3.0])], 7, 3),
+            RequestDelta("r3", "", [], True, "stop", 2),
+        ]
+    ),
+    RequestDeltas.of([]),
     ErrorReply(None, "malformed frame", "bad_frame"),
     ErrorReply("r9", "temperature must be >= 0", "invalid_request", "sampling_params"),
 ]
@@ -122,6 +132,28 @@ def test_round_trip_keeps_container_types():
     assert chat == [{"role": "user", "content": "Hi"}]
     ids = decode(encode(GenerateRequest("r2", [1, 2]))).prompt
     assert ids == [1, 2] and all(type(t) is int for t in ids)
+
+
+def test_request_deltas_are_columns_of_deltas():
+    deltas = [
+        RequestDelta("r1", "Hi", [17, 18], num_prompt_tokens=3),
+        RequestDelta("r2", "!", [19], True, "stop", "END", [Logprobs(-0.1, [19], [-0.1])], 5, 4),
+    ]
+    batch = RequestDeltas.of(deltas)
+    assert batch.request_ids == ["r1", "r2"] and batch.token_ids == [[17, 18], [19]]
+    assert batch.deltas() == deltas
+    assert decode(encode(batch)).deltas() == deltas
+    with pytest.raises(ValueError, match="finished has 1 entries for 2 request ids"):
+        dataclasses.replace(batch, finished=[True])
+
+
+def test_sets_are_sent_sorted():
+    # A set iterates in an order that depends on hashing (PYTHONHASHSEED) and insertion history:
+    # sorted, equal messages always make equal frames.
+    kv = KVConnectorOutput(frozenset({"zz", "b", "c", "a0"}), frozenset(f"r{i}" for i in range(20, 0, -1)))
+    sent = fields_of(StageOutput(1, 1, ModelRunnerOutput(kv_connector_output=kv)))["output"]["kv_connector_output"]
+    assert sent["finished_sending"] == ["a0", "b", "c", "zz"]
+    assert sent["finished_recving"] == sorted(f"r{i}" for i in range(1, 21))
 
 
 def test_int_where_float_is_declared_decodes_as_float():
@@ -219,6 +251,19 @@ WRONG_TYPES = [
     (_with(StatsReply(1, {}), ["stats"], [1]), "StatsReply.stats must be a map, got list"),
     (_with(ErrorReply(None, "m"), ["field"], 3), "ErrorReply.field must be str, got int"),
     (_with(RequestDelta("r", "", []), ["stop_reason"], 1.5), "RequestDelta.stop_reason: no type of"),
+    (
+        _with(RequestDeltas.of([RequestDelta("r", "", [1]), RequestDelta("s", "", [2, 3])]), ["token_ids", 1, 1], "7"),
+        r"RequestDeltas.token_ids\[1\]\[1\] must be int, got str",
+    ),
+    (_with(RequestDeltas.of([]), ["request_ids"], {"r": 1}), "RequestDeltas.request_ids must be a list, got dict"),
+    (
+        _with(RequestDeltas.of([RequestDelta("r", "", [1])]), ["stop_reasons", 0], 1.5),
+        r"RequestDeltas.stop_reasons\[0\]: no type of",
+    ),
+    (
+        _with(RequestDeltas.of([RequestDelta("r", "", [1])]), ["texts"], ["a", "b"]),
+        "RequestDeltas: texts has 2 entries for 1 request ids",
+    ),
     (_with(ActivationNotice(1, 0, 3, ["a"]), ["num_tokens"], b"3"), "ActivationNotice.num_tokens must be int, got bytes"),
 ]
 
