@@ -26,11 +26,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self._is_finished
 
     @property
     def finish_reason(self) -> str | None:
-        return self.value if self.is_finished else None
+        return self.value if self._is_finished else None
+
+
+# Asked for every request of every step: decided once per member, not by matching its name each time.
+for _status in RequestStatus:
+    _status._is_finished = _status.name.startswith("FINISHED")
 
 
 @dataclass
@@ -63,6 +68,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (a decode step wants one token)."""
+        num_prompt_tokens = len(self.prompt_token_ids)
+        if start >= num_prompt_tokens:
+            return self.output_token_ids[start - num_prompt_tokens : end - num_prompt_tokens]
+        if end <= num_prompt_tokens:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt_tokens]
 
     @property
     def is_finished(self) -> bool:

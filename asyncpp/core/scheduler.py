@@ -193,8 +193,11 @@ class Scheduler:
         i = 0
         while i < len(running) and step.has_room:
             request = running[i]
+            if request.is_in_flight:  # most of them, with pp_size + 1 steps in flight: check it first
+                i += 1
+                continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
-            if request.is_in_flight or (num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill):
+            if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 i += 1
                 continue
             num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
@@ -309,7 +312,7 @@ class Scheduler:
         step.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
+                token_ids=request.token_ids_between(start, end),
                 start_position=start,
                 block_ids=self._block_manager.block_ids(request.request_id),
                 do_sample=end == request.num_tokens,

@@ -68,8 +68,15 @@ class IncrementalDetokenizer:
             raise RuntimeError(f"detokenizer already stopped at stop string {self.stop_string!r}")
         if self._is_finished:
             raise RuntimeError("detokenizer was flushed; the request is finished")
-        new_bytes = b"".join(self._bytes_of(token_id) for token_id in new_token_ids)
-        return self._emit(self._utf8.decode(new_bytes), is_final=False)
+        if len(new_token_ids) == 1:  # a decode step: skip the join
+            new_bytes = self._bytes_of(new_token_ids[0])
+        else:
+            new_bytes = b"".join(self._bytes_of(token_id) for token_id in new_token_ids)
+        new_text = self._utf8.decode(new_bytes)
+        if not self._stops:  # nothing to look for or hold back: all of it is final
+            self._emitted.append(new_text)
+            return DetokenizerDelta(new_text, None)
+        return self._emit(new_text, is_final=False)
 
     def flush(self) -> str:
         """Release held text when the request ends without a stop string."""
