@@ -33,6 +33,31 @@ static inline uint16_t narrow(float f) { /* nearest, ties to even; NaN stays a q
 
 static inline float round_bf16(float f) { return widen(narrow(f)); }
 
+/* exp(x) for x <= 0 in plain arithmetic the compiler vectorises (libm's expf is a scalar call):
+ * 2^n * p(r) with |r| <= ln2/2 (Cephes polynomial), relative error ~2e-7. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* x * sigmoid(x), from exp(-|x|) so the exponent is never positive. */
+static inline float silu(float x) {
+    const float t = exp_nonpositive(-fabsf(x));
+    return x * ((x >= 0.0f ? 1.0f : t) / (1.0f + t));
+}
+
 static inline int team_size(int64_t rows, int num_threads) {
     const int64_t useful = rows / MIN_ROWS_PER_THREAD;
     return useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
@@ -74,7 +99,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 #pragma omp simd
         for (int64_t j = 0; j < dim; j++) {
             const float g = widen(gate[j]);
-            oi[j] = narrow(round_bf16(g / (1.0f + expf(-g))) * widen(up[j]));
+            oi[j] = narrow(round_bf16(silu(g)) * widen(up[j]));
         }
     }
 }
