@@ -1,8 +1,8 @@
 """Compile a C kernel of this package once per machine and load it with ctypes.
 
 The shared object is cached under `$ASYNCPP_KERNEL_CACHE` (default
-`~/.cache/asyncpp/kernels`), named by a hash of the source, the compiler, the
-flags and the CPU's feature flags (it is built with `-march=native`). Writers
+`~/.cache/asyncpp/kernels`), named by a hash of the source and the package's
+headers, the compiler, the flags and the CPU's feature flags (it is built with `-march=native`). Writers
 race safely: each compiles to a private temporary file and renames it into
 place. OpenMP comes from the `libgomp.so.1` that torch has already loaded, so
 kernels and torch share one thread pool.
@@ -45,11 +45,13 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("kernel_unavailable", reason="no C compiler (cc/gcc) on PATH; using the torch fallback")
         return None
-    source = resources.files("asyncpp.kernels").joinpath(f"{name}.c").read_bytes()
+    package = resources.files("asyncpp.kernels")
+    source = package.joinpath(f"{name}.c").read_bytes()
+    headers = {f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")}
     try:
-        target = kernel_cache_dir() / f"{name}-{_build_key(compiler, source)}.so"
+        target = kernel_cache_dir() / f"{name}-{_build_key(compiler, source, headers)}.so"
         if not target.exists():
-            _compile(compiler, source, target)
+            _compile(compiler, source, headers, target)
             log.info("kernel_compiled", path=str(target))
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -58,9 +60,11 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def _build_key(compiler: str, source: bytes) -> str:
+def _build_key(compiler: str, source: bytes, headers: dict[str, bytes]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(source)
+    for header_name in sorted(headers):
+        digest.update(header_name.encode() + headers[header_name])
     for part in (version, " ".join(_FLAGS), platform.machine(), _cpu_flags()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
@@ -74,11 +78,13 @@ def _cpu_flags() -> str:
         return ""
 
 
-def _compile(compiler: str, source: bytes, target: Path) -> None:
+def _compile(compiler: str, source: bytes, headers: dict[str, bytes], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "kernel.c"
         src.write_bytes(source)
+        for header_name, text in headers.items():  # `#include "x.h"` resolves beside the source
+            (Path(tmp) / header_name).write_bytes(text)
         out = Path(tmp) / "kernel.so"
         subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, check=True)
         os.replace(out, target)

@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #define LANES 16
 #define MAX_CHUNKS 16 /* head_dim / LANES */
 #define MAX_GROUP 16
@@ -33,13 +35,12 @@
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
-static const f32x16 ZERO = {0}; /* `ZERO + x` broadcasts a scalar */
+static const f32x16 ZERO = {0};
 
 /* Lanes [i*16, i*16+16) of a float32 or bfloat16 row, as float32. */
 static inline f32x16 load16(const char *row, int64_t i, int dtype) {
@@ -55,19 +56,11 @@ static inline f32x16 load16(const char *row, int64_t i, int dtype) {
 
 static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
     if (dtype == DTYPE_BF16) {
-        const u32x16 u = (u32x16)x;
-        const u32x16 rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16; /* nearest, ties to even */
-        const u32x16 is_nan = (u32x16)(x != x);
-        const u16x16 h = __builtin_convertvector((rounded & ~is_nan) | (0x7FC0 & is_nan), u16x16);
-        memcpy(row + i * LANES * 2, &h, sizeof h);
+        uint16_t *h = (uint16_t *)row + i * LANES;
+        for (int l = 0; l < LANES; l++) h[l] = narrow(x[l]);
     } else {
         memcpy(row + i * LANES * 4, &x, sizeof x);
     }
-}
-
-/* Lane-wise mask ? a : b (C has no vector ?:). */
-static inline f32x16 select16(i32x16 mask, f32x16 a, f32x16 b) {
-    return (f32x16)(((i32x16)a & mask) | ((i32x16)b & ~mask));
 }
 
 /* Sum of the lanes as a tree of halves (a serial sum would be a 16-add dependency chain). */
@@ -81,23 +74,6 @@ static inline float hsum(f32x16 x) {
     memcpy(&hi4, (const char *)&y + sizeof lo4, sizeof hi4);
     const f32x4 z = lo4 + hi4;
     return (z[0] + z[2]) + (z[1] + z[3]);
-}
-
-/* exp(x) for x <= 0, lane-wise: 2^n * p(r) with |r| <= ln2/2 (Cephes), relative error ~2e-7. */
-static inline f32x16 exp_nonpositive(f32x16 x) {
-    x = select16(x < -87.0f, ZERO - 87.0f, x);
-    f32x16 n;
-    for (int i = 0; i < LANES; i++) n[i] = __builtin_rintf(x[i] * 1.44269504088896341f);
-    const f32x16 r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    f32x16 p = ZERO + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const i32x16 scale = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    return p * (f32x16)scale;
 }
 
 /* Walks positions 0, 1, 2, ... through the block table without a division per position. */
@@ -127,8 +103,7 @@ static inline __attribute__((always_inline)) void attend(
             qv[g][c] = load16(q + g * head_bytes, c, dtype) * scale;
             acc[g][c] = ZERO;
         }
-    /* Pass 1: every key's score for the group's heads; head g's scores start at g * stride. */
-    const int64_t stride = (ctx + LANES - 1) / LANES * LANES;
+    /* Pass 1: every key's score for the group's heads; head g's scores start at g * ctx. */
     float max_score[MAX_GROUP];
     for (int g = 0; g < group; g++) max_score[g] = -FLT_MAX;
     struct slot_cursor cursor = {0, 0};
@@ -142,27 +117,21 @@ static inline __attribute__((always_inline)) void attend(
         }
         for (int g = 0; g < group; g++) {
             const float sg = hsum(s[g]);
-            scores[g * stride + pos] = sg;
+            scores[g * ctx + pos] = sg;
             max_score[g] = sg > max_score[g] ? sg : max_score[g];
         }
     }
-    for (int g = 0; g < group; g++)
-        for (int64_t pos = ctx; pos < stride; pos++) scores[g * stride + pos] = -FLT_MAX;
-    /* Softmax numerators, 16 at a time; lanes past the context (the padded tail) become 0. */
-    i32x16 lane;
-    for (int l = 0; l < LANES; l++) lane[l] = l;
+    /* Softmax numerators. */
     float denom[MAX_GROUP];
     for (int g = 0; g < group; g++) {
-        f32x16 sum = ZERO;
-        for (int64_t i = 0; i < stride; i += LANES) {
-            f32x16 x;
-            memcpy(&x, scores + g * stride + i, sizeof x);
-            x = exp_nonpositive(x - max_score[g]);
-            x = select16(lane + (int32_t)i < (int32_t)ctx, x, ZERO);
-            memcpy(scores + g * stride + i, &x, sizeof x);
-            sum += x;
+        float *sg = scores + g * ctx, sum = 0.0f;
+        const float m = max_score[g];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t pos = 0; pos < ctx; pos++) {
+            sg[pos] = exp_nonpositive(sg[pos] - m);
+            sum += sg[pos];
         }
-        denom[g] = hsum(sum);
+        denom[g] = sum;
     }
     /* Pass 2: the weighted sum of values. */
     cursor = (struct slot_cursor){0, 0};
@@ -170,7 +139,7 @@ static inline __attribute__((always_inline)) void attend(
         const char *v_row = v_cache + next_slot(blocks, block_size, &cursor) * kv_row_bytes;
         for (int c = 0; c < chunks; c++) {
             const f32x16 v = load16(v_row, c, dtype);
-            for (int g = 0; g < group; g++) acc[g][c] += scores[g * stride + pos] * v;
+            for (int g = 0; g < group; g++) acc[g][c] += scores[g * ctx + pos] * v;
         }
     }
     for (int g = 0; g < group; g++)
@@ -191,7 +160,7 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * group * ((max_context_len + LANES - 1) / LANES * LANES + LANES));
+        float *scores = malloc(sizeof(float) * group * (max_context_len > 0 ? max_context_len : 1));
         if (scores == NULL) {
 #pragma omp atomic write
             status = 2;

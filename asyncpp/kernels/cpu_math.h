@@ -1,0 +1,48 @@
+/* Scalar helpers shared by the CPU kernels: bfloat16 <-> float32 and a vectorisable exp.
+ *
+ * Everything is plain arithmetic and bit moves, so loops calling these
+ * (under `#pragma omp simd`) compile to SIMD code; libm's expf would be a
+ * scalar call per element.
+ */
+
+#ifndef ASYNCPP_CPU_MATH_H
+#define ASYNCPP_CPU_MATH_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float widen(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t narrow(float f) { /* nearest, ties to even, as torch; NaN stays a quiet NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+static inline float round_bf16(float f) { return widen(narrow(f)); }
+
+/* exp(x) for x <= 0: 2^n * p(r) with |r| <= ln2/2 (Cephes polynomial), relative error ~2e-7. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
