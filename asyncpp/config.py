@@ -51,16 +51,35 @@ class ParallelConfig:
     pp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
+    # Steps in flight, each a disjoint cohort of the live requests; 0 = pp_size (one cohort per
+    # stage, as large as possible). pp_size + 1 schedules one step ahead, at the price of
+    # splitting the requests into more, smaller cohorts.
+    max_steps_in_flight: int = 0
+    # Niceness the stage processes add to their own: the engine's short per-step bursts
+    # (outputs in, next plans out) then take a core from a stage at once instead of waiting
+    # for its time slice. 0 = run at the launcher's priority.
+    stage_nice: int = 5
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
         _positive("parallel.num_threads", self.num_threads)
+        if not 0 <= self.max_steps_in_flight <= self.pp_size + 1:
+            raise ConfigError(
+                f"parallel.max_steps_in_flight must be 0 (= pp_size) or 1..pp_size + 1 = {self.pp_size + 1}, "
+                f"got {self.max_steps_in_flight}"
+            )
+        if not 0 <= self.stage_nice <= 19:
+            raise ConfigError(f"parallel.stage_nice must be in 0..19, got {self.stage_nice}")
         if self.layer_split and len(self.layer_split) != self.pp_size:
             raise ConfigError(
                 f"parallel.layer_split has {len(self.layer_split)} entries but parallel.pp_size is {self.pp_size}"
             )
         for n in self.layer_split:
             _positive("parallel.layer_split entries", n)
+
+    @property
+    def steps_in_flight(self) -> int:
+        return self.max_steps_in_flight or self.pp_size
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,8 @@ def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: Ru
             block_size=config.cache.block_size,
             kv_cache_memory_mb=config.cache.kv_cache_memory_mb,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            num_ring_slots=pp_size + 1,
+            num_ring_slots=config.parallel.steps_in_flight,
+            nice=config.parallel.stage_nice,
             transport="shm",
             addresses=addresses,
             log_format=ns.log_format,
@@ -95,11 +96,18 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         core = EngineCore(config, arch, tokenizer, capacity)
         port = config.server.port if ns.port is None else ns.port
         router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
-        server = EngineServer(core, stages, router, grace_period_s=config.server.grace_period_s)
+        server = EngineServer(
+            core,
+            stages,
+            router,
+            max_in_flight=config.parallel.steps_in_flight,
+            grace_period_s=config.server.grace_period_s,
+        )
         log.info(
             "engine_ready",
             address=router.address,
             pp_size=stages.pp_size,
+            max_steps_in_flight=server.max_in_flight,
             layer_ranges=capacity.layer_ranges,
             num_kv_blocks=num_blocks,
             startup_s=round(time.monotonic() - t0, 2),

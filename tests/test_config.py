@@ -22,6 +22,7 @@ def test_default_config_is_the_documented_deployment():
     config = load_config(CONFIGS / "default.toml")
     assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "bfloat16", "cpu")
     assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
+    assert config.parallel.steps_in_flight == 2  # one cohort per stage
     assert config.server.host == "127.0.0.1"
 
 
@@ -45,6 +46,10 @@ def test_config_is_frozen():
         ({"parallel": {"pp_size": 2, "layer_split": [1, "2"]}}, "parallel.layer_split[1] must be int"),
         ({"parallel": {"pp_size": 3, "layer_split": [1, 2]}}, "parallel.layer_split has 2 entries"),
         ({"server": {"grace_period_s": "soon"}}, "server.grace_period_s must be float"),
+        ({"parallel": {"pp_size": 2, "max_steps_in_flight": 4}}, "parallel.max_steps_in_flight must be"),
+        ({"parallel": {"max_steps_in_flight": -1}}, "parallel.max_steps_in_flight must be"),
+        ({"parallel": {"stage_nice": 20}}, "parallel.stage_nice must be in 0..19"),
+        ({"parallel": {"stage_nice": -1}}, "parallel.stage_nice must be in 0..19"),
         ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}}, "max_num_batched_tokens"),
     ],
 )

@@ -2,8 +2,13 @@
 
 Four tasks share one loop and never block it:
 * clients: decode requests (bad frames get an `ErrorReply`), validate, route deltas;
-* schedule: keep up to `max_in_flight` (= pp_size + 1) steps in flight, each a
-  disjoint cohort, dispatching as soon as the window has room;
+* schedule: keep up to `max_in_flight` steps in flight (default pp_size, at most
+  pp_size + 1), each a disjoint cohort of about 1/max_in_flight of the live
+  requests, dispatching as soon as the window has room. One cohort per stage
+  keeps the batches, and so the work per token, the same as without pipeline
+  parallelism would at half the concurrency; a window of pp_size + 1 hides the
+  engine's turnaround but splits the requests into smaller cohorts, which on a
+  CPU whose decode reads every weight once per step costs more than it hides;
 * outputs: collect one `StageOutput` per stage per step, matched by step_id,
   and complete a step only when every stage has reported it: update the
   scheduler, dispatch the next plans, then send each client one
@@ -58,13 +63,21 @@ class _InFlightStep:
 
 class EngineServer:
     def __init__(
-        self, core: EngineCore, stages: StageGroup, router: RouterQueue, *, grace_period_s: float = 5.0
+        self,
+        core: EngineCore,
+        stages: StageGroup,
+        router: RouterQueue,
+        *,
+        max_in_flight: int | None = None,
+        grace_period_s: float = 5.0,
     ) -> None:
         self.core = core
         self.stages = stages
         self.router = router
         self.pp_size = stages.pp_size
-        self.max_in_flight = self.pp_size + 1
+        self.max_in_flight = max_in_flight or self.pp_size
+        if not 1 <= self.max_in_flight <= self.pp_size + 1:
+            raise ValueError(f"max_in_flight must be in 1..pp_size + 1 = {self.pp_size + 1}, got {max_in_flight}")
         self.grace_period_s = grace_period_s
         self.in_flight: dict[int, _InFlightStep] = {}
         self.peer_of: dict[str, bytes] = {}
@@ -243,9 +256,9 @@ class EngineServer:
                     )
 
     def _cohort_size(self) -> int:
-        # Spread the live requests over pp_size steps so every stage has work (disjoint cohorts).
+        # Spread the live requests over the in-flight window (disjoint cohorts), so every stage has work.
         num_live = self.core.scheduler.num_running + self.core.scheduler.num_waiting
-        return max(1, math.ceil(num_live / self.pp_size))
+        return max(1, math.ceil(num_live / self.max_in_flight))
 
     # ---- stage outputs ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -271,6 +284,7 @@ class EngineServer:
         if errors:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
             self.core.scheduler.update_from_output(step.plan, {})
+            self._log_completed(step)
             for r in step.plan.scheduled:
                 await self._fail(r.request_id, errors[0], "internal")
             self._wake.set()  # the window has room again
@@ -278,8 +292,11 @@ class EngineServer:
             # The scheduler is up to date once this returns, stop strings included (they finish
             # requests during detokenization), so the next plans can leave before the deltas.
             results = self.core.process_output(step.plan, step.outputs[self.pp_size - 1].output)
+            self._log_completed(step)  # before the next dispatch: the log shows the true window
             await self._dispatch()
             await self._deliver(results)
+
+    def _log_completed(self, step: _InFlightStep) -> None:
         if self._is_debug:
             self.log.debug(
                 "step_completed",

@@ -50,6 +50,7 @@ class StageArgs:
     num_ring_slots: int
     transport: str
     addresses: RunAddresses
+    nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
     log_format: str = "console"
     log_level: str = "info"
     log_file: str | None = None
@@ -69,6 +70,8 @@ def stage_main(args: StageArgs) -> None:
     _die_with_launcher()
     configure_logging(args.log_format, args.log_level, args.log_file)
     torch.set_num_threads(args.num_threads)
+    if args.nice:
+        os.nice(args.nice)
     log = get_logger(role="stage", pp_rank=args.pp_rank)
     stage = Stage(args, log)
     try:

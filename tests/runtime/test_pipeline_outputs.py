@@ -46,3 +46,39 @@ async def test_pipeline_equals_in_process(tmp_path, tiny_hf_dir, prompts, in_pro
         torch.tensor([prompts[0]]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     assert results[0][0] == out[0, len(prompts[0]) :].tolist()
+
+
+def _max_steps_in_flight(log_file) -> int:
+    """The most steps dispatched and not yet completed at once, from the engine's debug events."""
+    import json
+
+    in_flight, most = set(), 0
+    for line in log_file.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("event") == "step_dispatched":
+            in_flight.add(event["step_id"])
+            most = max(most, len(in_flight))
+        elif event.get("event") == "step_completed":
+            in_flight.discard(event["step_id"])
+    return most
+
+
+@pytest.mark.parametrize("max_steps_in_flight,expected_window", [(0, 2), (1, 1), (3, 3)])
+async def test_window_and_stage_niceness(tmp_path, tiny_hf_dir, prompts, in_process, max_steps_in_flight, expected_window):
+    """The engine never has more steps out than the window (default pp_size), whatever its size the
+    outputs are unchanged, and the stages run at the configured lower CPU priority."""
+    import os
+
+    parallel = {"max_steps_in_flight": max_steps_in_flight, "stage_nice": 3}
+    base_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2), parallel=parallel)) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
+            stats = await client.stats()
+            stage_nice = [os.getpriority(os.PRIO_PROCESS, pid) for pid in stats["stage_pids"]]
+        finally:
+            client.close()
+    assert [r[0] for r in results] == in_process
+    assert stage_nice == [min(19, base_nice + 3)] * 2
+    assert _max_steps_in_flight(engine.log_file) == expected_window
