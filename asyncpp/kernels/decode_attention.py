@@ -1,5 +1,9 @@
 """Paged decode attention on CPU through the C kernel in `decode_attention.c`.
 
+One query token per row, each attending its own context in a fixed order:
+`asyncpp.model.attention` sends every token of a step through it, prefill
+tokens included, which is what makes greedy output batch invariant.
+
 `decode_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim)`
 returns a callable, or None when the kernel cannot serve that case here (not
 a CPU device, another dtype, a head_dim that is not a multiple of 16, no C

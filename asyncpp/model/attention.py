@@ -5,19 +5,26 @@ for K and for V; a token at position p of a request lives in slot
 `block_ids[p // block_size] * block_size + p % block_size`.
 
 `AttentionMetadata.build` turns one step's requests into index tensors once
-per step (numpy, vectorised over tokens); every layer reuses them. Requests
-computing one token (decode) are batched together with a key-padding mask,
-in buckets of similar context length so little time goes to padding,
-unless a decode kernel is given (`asyncpp.kernels.decode_attention`, CPU):
-then decode requests read their keys in place through the block table;
-requests computing their first tokens (a prompt's first chunk, nothing
-cached) attend to this step's own keys, one causal SDPA call per request:
-no gather, no padding, no mask; other prefill chunks (after cached prefix
-blocks or earlier chunks) are batched with a causal mask offset by their
-start position.
-Keys and values are gathered a whole block at a time (`index_select`, which
-is several times faster than advanced indexing on CPU) and go through
-`scaled_dot_product_attention` with grouped-query heads.
+per step (numpy, vectorised over tokens); every layer reuses them.
+
+With the decode kernel (`asyncpp.kernels.decode_attention`, CPU), every
+query token, prefill or decode, is attended on its own as a decode at its
+position: keys are read in place through the block table in one fixed order.
+A token's output then depends only on its request's context, never on what
+shares the step, how the prompt was chunked, or whether its prefix came from
+the prefix cache: greedy output is the same for any batching and pp size.
+(It is also faster than `scaled_dot_product_attention` on prompts here.)
+
+Without the kernel (another device or dtype, no C compiler), torch does it:
+requests computing one token (decode) are batched together with a
+key-padding mask, in buckets of similar context length so little time goes
+to padding; requests computing their first tokens (a prompt's first chunk,
+nothing cached) attend to this step's own keys, one causal SDPA call per
+request; other prefill chunks (after cached prefix blocks or earlier chunks)
+are batched with a causal mask offset by their start position. Keys and
+values are gathered a whole block at a time (`index_select`, several times
+faster than advanced indexing on CPU). These paths round differently from
+each other, so they are close to, not bit-identical with, one another.
 """
 
 from __future__ import annotations
@@ -48,13 +55,13 @@ class _Group:
 
 
 @dataclass
-class _KernelDecode:
-    """Decode requests computed by the decode kernel, straight from the paged cache."""
+class _KernelRows:
+    """Query tokens computed one by one by the decode kernel, straight from the paged cache."""
 
     fn: DecodeAttention
-    rows: torch.Tensor  # [num_reqs] token row of each request's query and output
-    block_table: torch.Tensor  # [num_reqs, max_num_blocks]
-    context_lens: torch.Tensor  # [num_reqs] keys per request, the new token included
+    rows: torch.Tensor  # [n] token row of each query and its output
+    block_table: torch.Tensor  # [n, max_num_blocks] the block table of each query's request
+    context_lens: torch.Tensor  # [n] keys each query attends: its position + 1
     max_context_len: int
 
 
@@ -63,7 +70,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token's K/V is written to
     groups: list[_Group]
     block_size: int
-    kernel_decode: _KernelDecode | None = None
+    kernel_rows: _KernelRows | None = None
     fresh_prefills: list[tuple[int, int]] = field(default_factory=list)  # token rows [start, end) per request
 
     @staticmethod
@@ -86,35 +93,35 @@ class AttentionMetadata:
         slot_mapping = block_table[req_of_token, positions // block_size] * block_size + positions % block_size
 
         groups = []
-        is_decode = num_new_tokens == 1
-        decodes = np.nonzero(is_decode)[0]
-        kernel_decode = None
-        if decode_kernel is not None and len(decodes):
-            context_lens = start_positions[decodes] + 1
-            kernel_decode = _KernelDecode(
+        kernel_rows = None
+        fresh_prefills = []
+        if decode_kernel is not None:
+            # Every query token is attended as a decode at its position, prefill chunks included: a
+            # token's result is then the same whatever shares its step, whether its prefix came from
+            # the prefix cache or an earlier chunk, and whether it was computed in a prefill or a decode.
+            context_lens = positions + 1
+            kernel_rows = _KernelRows(
                 fn=decode_kernel,
-                rows=torch.from_numpy(query_start[decodes]).to(device),
-                block_table=torch.from_numpy(np.ascontiguousarray(block_table[decodes])).to(device),
+                rows=torch.arange(num_tokens, dtype=torch.int64, device=device),
+                block_table=torch.from_numpy(block_table[req_of_token]).to(device),
                 context_lens=torch.from_numpy(context_lens).to(device),
                 max_context_len=int(context_lens.max()),
             )
-            decodes = decodes[:0]
-        for selected in _decode_buckets(decodes, start_positions):
-            groups.append(
-                _build_group(selected, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
-            )
-        is_fresh = ~is_decode & (start_positions == 0)
-        fresh_prefills = [(int(query_start[i]), int(query_start[i + 1])) for i in np.nonzero(is_fresh)[0]]
-        prefills = np.nonzero(~is_decode & ~is_fresh)[0]
-        if len(prefills):
-            groups.append(
-                _build_group(prefills, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
-            )
+        else:
+            is_decode = num_new_tokens == 1
+            is_fresh = ~is_decode & (start_positions == 0)
+            fresh_prefills = [(int(query_start[i]), int(query_start[i + 1])) for i in np.nonzero(is_fresh)[0]]
+            prefills = np.nonzero(~is_decode & ~is_fresh)[0]
+            batches = _decode_buckets(np.nonzero(is_decode)[0], start_positions) + ([prefills] if len(prefills) else [])
+            groups = [
+                _build_group(reqs, start_positions, num_new_tokens, query_start, block_table, block_size, device, dtype)
+                for reqs in batches
+            ]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(device),
             groups=groups,
             block_size=block_size,
-            kernel_decode=kernel_decode,
+            kernel_rows=kernel_rows,
             fresh_prefills=fresh_prefills,
         )
         return meta, positions
@@ -192,7 +199,7 @@ def paged_attention(
     k_blocks = k_cache.view(-1, meta.block_size, num_kv_heads, head_dim)
     v_blocks = v_cache.view(-1, meta.block_size, num_kv_heads, head_dim)
     out = q.new_empty(num_tokens, num_heads * head_dim)
-    if (kd := meta.kernel_decode) is not None:
+    if (kd := meta.kernel_rows) is not None:
         kd.fn(q, k_cache, v_cache, kd.block_table, kd.rows, kd.context_lens, kd.max_context_len, meta.block_size, out, scale)
     for start, end in meta.fresh_prefills:
         # [1, heads, len, head_dim] views of this step's rows: the request's whole context is here.

@@ -2,10 +2,17 @@
 
 `F.linear` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked
 layout on every call. Packing each weight once, after loading, skips that
-copy: 1.3-1.7x faster on decode-sized matmuls on the AMX machines here, and
-the results are bit-identical to `F.linear` (tested). float32 models and
-other devices keep plain `nn.Linear`, whose kernels the exactness tests
-against `transformers` rely on.
+copy: 1.3-1.7x faster on decode-sized matmuls on the AMX machines here.
+
+Batch invariance: a token's output must not depend on which other tokens
+share its step (pp size, cohorts and batching would change greedy output).
+oneDNN computes every row of a batch of two or more rows the same way, but a
+single row takes a matrix-vector path that sums in another order (on the
+AMD machines here, ~8% of `down_proj` rows differ by a rounding step), so a
+one-row input is computed as a two-row batch. Tested in
+`tests/model/test_packed_linear.py`. float32 models and other devices keep
+plain `nn.Linear`, whose kernels the exactness tests against `transformers`
+rely on.
 """
 
 from __future__ import annotations
@@ -36,6 +43,11 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:  # the single-row path rounds differently: see the module doc
+            return self._linear(x.expand(2, -1))[:1]
+        return self._linear(x)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none", [], "")
 
     def extra_repr(self) -> str:

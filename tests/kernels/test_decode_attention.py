@@ -125,7 +125,7 @@ def test_paged_attention_kernel_equals_torch_path(dtype):
         meta, _ = AttentionMetadata.build(
             start_positions, num_new_tokens, block_table, BLOCK_SIZE, "cpu", dtype, decode_kernel=kernel
         )
-        assert (meta.kernel_decode is not None) == (kernel is not None)
+        assert (meta.kernel_rows is not None) == (kernel is not None)
         outs.append(paged_attention(qk[:, :num_heads], k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
     atol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)

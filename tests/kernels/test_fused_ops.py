@@ -45,9 +45,15 @@ def test_add_rms_norm_matches_torch(ops, num_tokens, with_residual):
     out, new_residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
     assert torch.equal(new_residual, ref_residual)  # one rounding of the same float sum
     assert torch.equal(x, x_before), "inputs must not be modified"
-    # Only the order of the float32 sum of squares differs: at most one bfloat16 step apart.
-    assert _bf16_ulps(out, ref_out) <= 1
-    assert (out == ref_out).float().mean() > 0.99
+    # Only the order of the float32 sum of squares differs, so the normalised value (rounded to
+    # bfloat16 before the weight scale, as torch does) is at most one bfloat16 step from torch's;
+    # the weight product can stretch that step to two in the output, so check it before the scale.
+    normed = F.rms_norm(new_residual.float(), norm.weight.shape, eps=norm.eps).to(BF16)
+    neighbours = [(normed.view(torch.int16) + step).view(BF16) for step in (-1, 0, 1)]
+    matches = torch.stack([out == norm.weight * n for n in neighbours])
+    assert matches.any(dim=0).all(), "the kernel's normalised value is more than one bfloat16 step off"
+    assert matches[1].float().mean() > 0.99
+    assert _bf16_ulps(out, ref_out) <= 2
 
 
 @pytest.mark.parametrize("num_tokens", [1, 64, 257])
