@@ -51,9 +51,10 @@ class ParallelConfig:
     pp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
-    # Steps in flight, each a disjoint cohort of the live requests; 0 = pp_size (one cohort per
-    # stage, as large as possible). pp_size + 1 schedules one step ahead, at the price of
-    # splitting the requests into more, smaller cohorts.
+    # Cohorts in flight, disjoint sets of the live requests, each with one step in flight (two
+    # with scheduler.async_scheduling); 0 = pp_size (one cohort per stage, as large as
+    # possible). pp_size + 1 hides the engine's turnaround without async scheduling, at the
+    # price of splitting the requests into more, smaller cohorts.
     max_steps_in_flight: int = 0
     # Niceness the stage processes add to their own: the engine's short per-step bursts
     # (outputs in, next plans out) then take a core from a stage at once instead of waiting
@@ -101,6 +102,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_chunked_prefill: bool = True
+    # Pipeline runtime: schedule a cohort's next step while its current one runs, with
+    # placeholders for the tokens it samples, which go from the last stage straight to the
+    # first. The engine's turnaround then overlaps compute instead of idling the stages.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _positive("scheduler.max_num_seqs", self.max_num_seqs)

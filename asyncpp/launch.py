@@ -65,8 +65,9 @@ def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: Ru
             block_size=config.cache.block_size,
             kv_cache_memory_mb=config.cache.kv_cache_memory_mb,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-            num_ring_slots=config.parallel.steps_in_flight,
+            num_ring_slots=max_steps_in_flight(config),
             nice=config.parallel.stage_nice,
+            async_scheduling=config.scheduler.async_scheduling,
             transport="shm",
             addresses=addresses,
             log_format=ns.log_format,
@@ -75,6 +76,11 @@ def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: Ru
         )
         for rank, (start, end) in enumerate(capacity.layer_ranges)
     ]
+
+
+def max_steps_in_flight(config: EngineConfig) -> int:
+    """One activation ring slot per step that can be in flight."""
+    return config.parallel.steps_in_flight * (2 if config.scheduler.async_scheduling else 1)
 
 
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
@@ -100,14 +106,16 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             core,
             stages,
             router,
-            max_in_flight=config.parallel.steps_in_flight,
+            max_cohorts=config.parallel.steps_in_flight,
+            async_scheduling=config.scheduler.async_scheduling,
             grace_period_s=config.server.grace_period_s,
         )
         log.info(
             "engine_ready",
             address=router.address,
             pp_size=stages.pp_size,
-            max_steps_in_flight=server.max_in_flight,
+            max_cohorts=server.max_cohorts,
+            async_scheduling=server.async_scheduling,
             layer_ranges=capacity.layer_ranges,
             num_kv_blocks=num_blocks,
             startup_s=round(time.monotonic() - t0, 2),

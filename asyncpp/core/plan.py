@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from asyncpp.sampling.params import SamplingParams
 
+# Stands for a token that the plan named by `StepPlan.after_step_id` samples (async scheduling).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -25,7 +28,7 @@ class NewRequestData:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the tokens computed this step (a prefill chunk or one decode token)
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, one decode token or a placeholder)
     start_position: int  # == the request's num_computed_tokens before this step
     block_ids: list[int]  # the whole block table, covering start_position + len(token_ids)
     do_sample: bool  # this step reaches the last known token: sample the next one
@@ -41,6 +44,9 @@ class StepPlan:
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)  # runner drops their state
+    # Placeholder tokens are the ones this earlier plan samples for the same requests; the
+    # first stage waits for them. None: every token is known.
+    after_step_id: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,9 +1,12 @@
 """`Request`: the engine's per-request state, owned by the scheduler.
 
-Invariant: `num_computed_tokens <= num_tokens`; the KV cache holds exactly the
-first `num_computed_tokens` tokens of `all_token_ids`. A request that is part
-of a dispatched step (`is_in_flight`) is never scheduled again until that
-step's output is back; the pipeline runtime builds disjoint cohorts from this.
+Invariant: `num_computed_tokens <= num_tokens + num_placeholders`; the KV cache
+holds (or an in-flight plan is writing) the first `num_computed_tokens` tokens
+of `all_token_ids` followed by the placeholders. A request is in at most two
+dispatched plans (`num_in_flight`): the one it was last scheduled in
+(`last_step_id`) and, with async scheduling, the one after it, whose input is
+the token that plan samples (a placeholder until its output is back). The
+pipeline runtime builds disjoint cohorts from this.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+
+    @property
+    def is_in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def is_finished(self) -> bool:
@@ -50,7 +57,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first schedule
     num_preemptions: int = 0
-    is_in_flight: bool = False
+    num_in_flight: int = 0  # dispatched plans holding it whose output is not back
+    last_step_id: int = -1  # the plan it was last scheduled in
+    num_placeholders: int = 0  # tokens scheduled before they were sampled (async scheduling)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -77,6 +86,10 @@ class Request:
         if end <= num_prompt_tokens:
             return self.prompt_token_ids[start:end]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt_tokens]
+
+    @property
+    def is_in_flight(self) -> bool:
+        return self.num_in_flight > 0
 
     @property
     def is_finished(self) -> bool:

@@ -8,10 +8,17 @@ recompute after preemption, or one decode token) within a token budget of
 Contract
 * `schedule(max_num_reqs=None)` returns a fresh `StepPlan` of at most
   `max_num_reqs` requests, or None when no request is eligible. It may be
-  called again before earlier plans come back (the pipeline keeps up to
-  pp_size + 1 in flight, and caps cohorts to spread requests over them): a
-  request is in at most one in-flight plan (`is_in_flight`), so successive
-  plans hold disjoint cohorts.
+  called again before earlier plans come back (the pipeline keeps several
+  in flight, and caps cohorts to spread requests over them): an in-flight
+  request (`is_in_flight`) is not scheduled again, so successive plans hold
+  disjoint cohorts.
+* Async scheduling: `schedule(max_num_reqs, after_step_id=S)` may also
+  continue the requests of in-flight plan S (and no other in-flight ones):
+  a token S samples appears as `PLACEHOLDER_TOKEN_ID`, for the first stage
+  to fill in, and the plan names S in `after_step_id`. A request is in at
+  most two in-flight plans, and a plan must come back after the one it
+  follows. A request finished by the token S samples computes one wasted
+  token in the next plan (never for `max_tokens`, known in advance).
 * Scheduling advances `num_computed_tokens` at once (the stages are writing
   that KV); `update_from_output` only appends sampled tokens and runs the
   token-level stop checks. Plans may come back in any order; they are matched
@@ -54,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
-from asyncpp.core.plan import NewRequestData, ScheduledRequest, StepPlan
+from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
 from asyncpp.core.stop import check_stop
@@ -68,6 +75,7 @@ class _StepBuilder:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
     new_requests: list[NewRequestData] = field(default_factory=list)
+    has_placeholders: bool = False
 
     @property
     def has_room(self) -> bool:
@@ -186,23 +194,34 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ the step
-    def schedule(self, max_num_reqs: int | None = None) -> StepPlan | None:
+    def schedule(self, max_num_reqs: int | None = None, after_step_id: int | None = None) -> StepPlan | None:
+        """The next plan: idle requests, and with `after_step_id` also that in-flight plan's requests.
+
+        A request of plan `after_step_id` continues in the new plan before the
+        output is back (async scheduling): with its next prompt chunk, or, when
+        that plan samples its next token, with a placeholder the first stage
+        replaces by the sampled token. One that would surely finish there
+        (`max_tokens`, `max_model_len`) is not continued.
+        """
         step = _StepBuilder(num_budget_tokens=self.max_num_batched_tokens, max_num_reqs=max_num_reqs)
         is_blocked = False  # a running request was preempted or stalled: admit nobody new
         running = self._queues.running
         i = 0
         while i < len(running) and step.has_room:
             request = running[i]
-            if request.is_in_flight:  # most of them, with pp_size + 1 steps in flight: check it first
+            if request.is_in_flight and not self._can_continue(request, after_step_id):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_placeholders = 0
+            if num_new_tokens == 0:  # its plan in flight samples the next token
+                num_new_tokens = num_placeholders = 1
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 i += 1
                 continue
             num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
-            if self._allocate_running(request, num_new_tokens):
-                self._add_to_step(step, request, num_new_tokens)
+            if self._allocate_running(request, num_new_tokens, num_placeholders):
+                self._add_to_step(step, request, num_new_tokens, num_placeholders)
             else:
                 is_blocked = True
             if request.status is RequestStatus.RUNNING:  # else it preempted itself and left the list
@@ -216,6 +235,7 @@ class Scheduler:
             scheduled=step.scheduled,
             new_requests=step.new_requests,
             finished_req_ids=self._finished_req_ids,
+            after_step_id=after_step_id if step.has_placeholders else None,
         )
         self._finished_req_ids = []
         self._in_flight[plan.step_id] = step.cohort
@@ -229,22 +249,29 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id} is not in flight (unknown, or its output was already applied)")
         if len(cohort) != len(plan.scheduled):
             raise ValueError(f"step {plan.step_id}: plan does not match the one scheduled")
+        if plan.after_step_id is not None and plan.after_step_id in self._in_flight:
+            raise ValueError(f"step {plan.step_id} came back before step {plan.after_step_id}, the plan it follows")
         del self._in_flight[plan.step_id]
         updates = []
         for scheduled, request in zip(plan.scheduled, cohort):
-            request.is_in_flight = False
+            request.num_in_flight -= 1
             if request.is_finished:  # finished while in flight: its output is dropped
-                self._forget(request)
+                if not request.is_in_flight:
+                    self._forget(request)
                 continue
             if not scheduled.do_sample:  # a prompt chunk: nothing to report
                 continue
             if not sampled_token_ids.get(scheduled.request_id):
-                # A failed step: its KV is suspect. Only this plan advanced the request (it was in flight).
+                # A failed step: its KV is suspect. Roll back to its start (a plan continuing the
+                # request after it computed garbage too: the caller must then finish the request).
                 request.num_computed_tokens = scheduled.start_position
+                request.num_placeholders = 0
                 continue
             new_token_ids = []
             for token_id in sampled_token_ids[scheduled.request_id]:
                 request.output_token_ids.append(token_id)
+                if request.num_placeholders:  # the plan after this one computes this token
+                    request.num_placeholders -= 1
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_model_len):
                     break  # tokens after a stop are dropped
@@ -255,11 +282,29 @@ class Scheduler:
         return updates
 
     # ------------------------------------------------------------------ helpers
-    def _allocate_running(self, request: Request, num_new_tokens: int) -> bool:
+    def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
+        """May an in-flight request be scheduled in the plan after `after_step_id`?"""
+        if after_step_id is None or request.last_step_id != after_step_id or request.num_in_flight != 1:
+            return False
+        if request.num_computed_tokens < request.num_tokens:
+            return True  # the next prompt chunk: its tokens are known
+        # The token its plan samples is its last unless stop checks finish it; do not compute a
+        # token after one that finishes it by length for sure.
+        num_output_tokens = request.num_output_tokens + 1
+        return (
+            num_output_tokens < request.sampling_params.max_tokens
+            and request.num_tokens + 1 < self.max_model_len
+        )
+
+    def _allocate_running(self, request: Request, num_new_tokens: int, num_placeholders: int = 0) -> bool:
         """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
         while True:
             block_ids = self._block_manager.allocate_slots(
-                request.request_id, request.all_token_ids, num_new_tokens, request.num_computed_tokens
+                request.request_id,
+                request.all_token_ids,
+                num_new_tokens,
+                request.num_computed_tokens,
+                num_lookahead_tokens=num_placeholders,
             )
             if block_ids is not None:
                 return True
@@ -267,8 +312,8 @@ class Scheduler:
             if victim is not None and victim is not request:
                 self._preempt(victim)
                 continue
-            # Every younger running request is in flight.
-            if self._queues.running[-1] is not request:
+            # Every younger running request is in flight (or this one is, and cannot be preempted).
+            if self._queues.running[-1] is not request or request.is_in_flight:
                 return False  # stall; preempt one of them once it is back
             self._preempt(request)
             return False
@@ -306,22 +351,31 @@ class Scheduler:
             self._runner_known_ids.add(request.request_id)
             self._add_to_step(step, request, num_new_tokens)
 
-    def _add_to_step(self, step: _StepBuilder, request: Request, num_new_tokens: int) -> None:
+    def _add_to_step(
+        self, step: _StepBuilder, request: Request, num_new_tokens: int, num_placeholders: int = 0
+    ) -> None:
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        if num_placeholders:
+            token_ids = [PLACEHOLDER_TOKEN_ID] * num_placeholders
+            step.has_placeholders = True
+        else:
+            token_ids = request.token_ids_between(start, end)
         step.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
-                token_ids=request.token_ids_between(start, end),
+                token_ids=token_ids,
                 start_position=start,
                 block_ids=self._block_manager.block_ids(request.request_id),
-                do_sample=end == request.num_tokens,
+                do_sample=end == request.num_tokens + request.num_placeholders + num_placeholders,
             )
         )
         step.cohort.append(request)
         step.num_budget_tokens -= num_new_tokens
         request.num_computed_tokens = end
-        request.is_in_flight = True
+        request.num_placeholders += num_placeholders
+        request.num_in_flight += 1
+        request.last_step_id = self._next_step_id
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free its KV and put it back in the waiting queue by arrival order."""

@@ -117,16 +117,25 @@ class BlockManager:
         num_new_tokens: int,
         num_computed_tokens: int,
         computed_block_ids: list[int] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[int] | None:
         """Grow the request's table to cover `num_computed_tokens + num_new_tokens` tokens.
 
-        `token_ids` are all tokens known for the request; on its first
+        `token_ids` are all tokens known for the request, and up to
+        `num_lookahead_tokens` more may be covered (async scheduling: tokens
+        not sampled yet). A block is hashed for prefix caching once all its
+        tokens are known, by the first call after that. On its first
         allocation `computed_block_ids` (prefix-cache hits covering exactly
         `num_computed_tokens`) are shared into its table. Returns a copy of the
         whole table, or None, with nothing changed, if free blocks run short.
         """
         num_total_tokens = num_computed_tokens + num_new_tokens
-        if num_new_tokens < 0 or num_computed_tokens < 0 or num_total_tokens > len(token_ids):
+        if (
+            num_new_tokens < 0
+            or num_computed_tokens < 0
+            or num_lookahead_tokens < 0
+            or num_total_tokens > len(token_ids) + num_lookahead_tokens
+        ):
             raise ValueError(
                 f"request {request_id!r}: cannot cover {num_computed_tokens} + {num_new_tokens} "
                 f"tokens of a sequence of {len(token_ids)}"
@@ -162,7 +171,7 @@ class BlockManager:
         for _ in range(num_new_blocks):
             table.append(self._pop_free_block())
         if self.enable_prefix_caching:
-            self._register_full_blocks(request_id, table, token_ids, num_total_tokens)
+            self._register_full_blocks(request_id, table, token_ids, min(num_total_tokens, len(token_ids)))
         return list(table)
 
     def free(self, request_id: str) -> None:

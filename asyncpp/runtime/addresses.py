@@ -27,6 +27,10 @@ class RunAddresses:
         return f"ipc://{self.run_dir}/act-{pp_rank}"
 
     @property
+    def sampled_tokens(self) -> str:
+        return f"ipc://{self.run_dir}/sampled"
+
+    @property
     def stage_outputs(self) -> str:
         return f"ipc://{self.run_dir}/outputs"
 

@@ -2,13 +2,17 @@
 
 Four tasks share one loop and never block it:
 * clients: decode requests (bad frames get an `ErrorReply`), validate, route deltas;
-* schedule: keep up to `max_in_flight` steps in flight (default pp_size, at most
-  pp_size + 1), each a disjoint cohort of about 1/max_in_flight of the live
-  requests, dispatching as soon as the window has room. One cohort per stage
-  keeps the batches, and so the work per token, the same as without pipeline
-  parallelism would at half the concurrency; a window of pp_size + 1 hides the
-  engine's turnaround but splits the requests into smaller cohorts, which on a
-  CPU whose decode reads every weight once per step costs more than it hides;
+* schedule: keep up to `max_cohorts` cohorts in flight (default pp_size, at most
+  pp_size + 1), disjoint sets of about 1/max_cohorts of the live requests,
+  dispatching as soon as the window has room. One cohort per stage keeps the
+  batches, and so the work per token, the same as without pipeline
+  parallelism would at half the concurrency. With async scheduling each
+  cohort has two steps in flight: its next one is scheduled as soon as the
+  current one is dispatched, with placeholders for the tokens the current one
+  samples (the last stage hands them straight to the first), so the engine's
+  turnaround overlaps compute. Without it, a window of pp_size + 1 hides the
+  turnaround but splits the requests into smaller cohorts, which on a CPU
+  whose decode reads every weight once per step costs more than it hides;
 * outputs: collect one `StageOutput` per stage per step, matched by step_id,
   and complete a step only when every stage has reported it: update the
   scheduler, dispatch the next plans, then send each client one
@@ -68,18 +72,22 @@ class EngineServer:
         stages: StageGroup,
         router: RouterQueue,
         *,
-        max_in_flight: int | None = None,
+        max_cohorts: int | None = None,
+        async_scheduling: bool = False,
         grace_period_s: float = 5.0,
     ) -> None:
         self.core = core
         self.stages = stages
         self.router = router
         self.pp_size = stages.pp_size
-        self.max_in_flight = max_in_flight or self.pp_size
-        if not 1 <= self.max_in_flight <= self.pp_size + 1:
-            raise ValueError(f"max_in_flight must be in 1..pp_size + 1 = {self.pp_size + 1}, got {max_in_flight}")
+        self.max_cohorts = max_cohorts or self.pp_size
+        if not 1 <= self.max_cohorts <= self.pp_size + 1:
+            raise ValueError(f"max_cohorts must be in 1..pp_size + 1 = {self.pp_size + 1}, got {max_cohorts}")
+        self.async_scheduling = async_scheduling
         self.grace_period_s = grace_period_s
         self.in_flight: dict[int, _InFlightStep] = {}
+        # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
+        self.cohorts: list[list[int]] = []
         self.peer_of: dict[str, bytes] = {}
         self.log = get_logger(role="engine", pp_rank=None)
         self._wake = asyncio.Event()
@@ -244,21 +252,50 @@ class EngineServer:
         stage's plans in step order when both call at once.
         """
         async with self._dispatch_lock:
-            while len(self.in_flight) < self.max_in_flight and not self.is_dead:
-                plan = self.core.scheduler.schedule(max_num_reqs=self._cohort_size())
-                if plan is None:
-                    break
+            while not self.is_dead and (plan := self._schedule_next()) is not None:
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 await self.stages.broadcast(plan)
                 if self._is_debug:
                     self.log.debug(
-                        "step_dispatched", step_id=plan.step_id, num_reqs=plan.num_reqs, num_tokens=plan.num_tokens
+                        "step_dispatched",
+                        step_id=plan.step_id,
+                        num_reqs=plan.num_reqs,
+                        num_tokens=plan.num_tokens,
+                        after_step_id=plan.after_step_id,
                     )
 
+    def _schedule_next(self) -> StepPlan | None:
+        """The first step of a new cohort, else (async) the next step of the cohort dispatched longest ago.
+
+        Stages run plans in dispatch order, and a cohort's next step needs the tokens of its
+        current one: dispatched after every other cohort's current step, it finds them sampled.
+        """
+        scheduler = self.core.scheduler
+        if len(self.cohorts) < self.max_cohorts:
+            plan = scheduler.schedule(max_num_reqs=self._cohort_size())
+            if plan is not None:
+                self.cohorts.append([plan.step_id])
+                return plan
+        if self.async_scheduling:
+            for cohort in sorted((c for c in self.cohorts if len(c) == 1), key=lambda c: c[0]):
+                plan = scheduler.schedule(max_num_reqs=self._cohort_size(), after_step_id=cohort[0])
+                if plan is not None:
+                    cohort.append(plan.step_id)
+                    return plan
+        return None
+
     def _cohort_size(self) -> int:
-        # Spread the live requests over the in-flight window (disjoint cohorts), so every stage has work.
+        # Spread the live requests over the cohorts (disjoint), so every stage has work.
         num_live = self.core.scheduler.num_running + self.core.scheduler.num_waiting
-        return max(1, math.ceil(num_live / self.max_in_flight))
+        return max(1, math.ceil(num_live / self.max_cohorts))
+
+    def _retire(self, step_id: int) -> None:
+        for cohort in self.cohorts:
+            if cohort[0] == step_id:
+                cohort.pop(0)
+                if not cohort:
+                    self.cohorts.remove(cohort)
+                return
 
     # ---- stage outputs ---------------------------------------------------------------------
     async def _output_loop(self) -> None:
@@ -279,6 +316,7 @@ class EngineServer:
 
     async def _complete(self, step: _InFlightStep) -> None:
         del self.in_flight[step.plan.step_id]
+        self._retire(step.plan.step_id)
         self.num_steps += 1
         errors = [o.error for o in step.outputs.values() if o.error]
         if errors:
@@ -320,6 +358,7 @@ class EngineServer:
         for request_id in list(self.peer_of):
             await self._fail(request_id, message, "engine_dead")
         self.in_flight.clear()
+        self.cohorts.clear()
         self.stop(exit_code=1)
 
     # ---- stats -----------------------------------------------------------------------------

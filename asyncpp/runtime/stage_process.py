@@ -7,6 +7,12 @@ stage's ring slot, sends the notice and reports
 `ModelRunnerOutput.with_kv_conn_output_only(...)`; the last stage runs
 `sample_tokens`. Every stage reports a `StageOutput` for every step, also a
 failed one (with `error` set), so the engine always completes the step.
+
+Async scheduling (pp_size > 1): the last stage also sends the first stage
+the tokens each step sampled (`SampledTokens`), and the first stage, before
+running a plan with placeholders, waits for those of `plan.after_step_id`:
+the next step of a cohort starts one hop after the last stage samples,
+without a round trip through the engine.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import PullQueue, PushQueue
-from asyncpp.wire.stage_msgs import Shutdown, StageOutput, StageReady, StageStart
+from asyncpp.wire.stage_msgs import SampledTokens, Shutdown, StageOutput, StageReady, StageStart
 from asyncpp.worker.model_runner import ModelRunner
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
@@ -51,6 +57,7 @@ class StageArgs:
     transport: str
     addresses: RunAddresses
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
+    async_scheduling: bool = False  # pass sampled tokens from the last stage to the first
     log_format: str = "console"
     log_level: str = "info"
     log_file: str | None = None
@@ -108,6 +115,10 @@ class Stage:
         self.outputs = PushQueue(args.addresses.stage_outputs)
         self.acts_in = PullQueue(args.addresses.activations(args.pp_rank), bind=True) if not args.is_first else None
         self.acts_out = PushQueue(args.addresses.activations(args.pp_rank + 1)) if not args.is_last else None
+        passes_tokens = args.async_scheduling and args.pp_size > 1
+        self.tokens_in = PullQueue(args.addresses.sampled_tokens, bind=True) if passes_tokens and args.is_first else None
+        self.tokens_out = PushQueue(args.addresses.sampled_tokens) if passes_tokens and args.is_last else None
+        self.last_tokens_step_id = -1  # first stage: the latest step whose sampled tokens are in
         self.receiver = None
         self.sender = None
         self.runner: ModelRunner | None = None
@@ -168,7 +179,9 @@ class Stage:
     def _run_step(self, plan: StepPlan) -> StageOutput:
         handoff_us, error = 0.0, None
         output = ModelRunnerOutput()
-        t0 = t_written = time.time()
+        if self.tokens_in is not None:
+            self._take_sampled_tokens(plan.after_step_id)
+        t0 = t_written = time.time()  # waiting for sampled tokens is not busy time
         try:
             intermediate = None
             if self.acts_in is not None:
@@ -180,6 +193,9 @@ class Stage:
             result = self.runner.execute_model(plan, intermediate)
             if self.args.is_last:
                 output = self.runner.sample_tokens()
+                if self.tokens_out is not None:
+                    latest = [ids[-1] for ids in output.sampled_token_ids]
+                    self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest))
             else:
                 t_handoff = time.perf_counter()
                 notice = self.sender.write(plan.step_id, result)
@@ -195,6 +211,8 @@ class Stage:
                 self.runner.execute_state = None
             if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
+            if self.tokens_out is not None and not output.req_ids:  # nor may the first stage wait forever
+                self.tokens_out.put(SampledTokens(plan.step_id))
         t1 = time.time() if self.args.is_last or error is not None else t_written
         if self.is_debug:  # this core is the pipeline's: spend nothing on an event nobody keeps
             self.log.debug(
@@ -209,10 +227,18 @@ class Stage:
             )
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
+    def _take_sampled_tokens(self, until_step_id: int | None) -> None:
+        """Record what has arrived; block until the tokens of `until_step_id` are in."""
+        target = -1 if until_step_id is None else until_step_id
+        while self.last_tokens_step_id < target or self.tokens_in.has_message():
+            msg = self.tokens_in.get()
+            self.runner.record_sampled(msg.req_ids, msg.token_ids)
+            self.last_tokens_step_id = msg.step_id
+
     def close(self) -> None:
         for closable in (self.sender, self.receiver):
             if closable is not None:
                 closable.close()
-        for q in (self.plans, self.outputs, self.acts_in, self.acts_out):
+        for q in (self.plans, self.outputs, self.acts_in, self.acts_out, self.tokens_in, self.tokens_out):
             if q is not None:
                 q.close()

@@ -58,6 +58,9 @@ class PullQueue:
             raise TimeoutError(f"no message within {timeout_s} s")
         return decode(self._sock.recv(copy=True))
 
+    def has_message(self) -> bool:
+        return bool(self._sock.poll(0))
+
     def close(self) -> None:
         self._sock.close(linger=0)
 

@@ -3,6 +3,8 @@
 The plan channel carries `StepPlan` itself (registered here) and
 `Shutdown`; stages answer with `StageReady` once and a `StageOutput` for
 every step. A stage that fails a step sends `StageOutput` with `error` set.
+With async scheduling the last stage also sends the first one
+`SampledTokens` after every step, failed or not.
 """
 
 from __future__ import annotations
@@ -53,3 +55,13 @@ class StageOutput:
 @dataclass(frozen=True)
 class Shutdown:
     reason: str = ""
+
+
+@message("sampled_tokens")
+@dataclass(frozen=True)
+class SampledTokens:
+    """Last stage -> first stage (async scheduling): what a step sampled, for later placeholders."""
+
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)  # empty when the step sampled nothing or failed
+    token_ids: list[int] = field(default_factory=list)

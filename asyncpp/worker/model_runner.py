@@ -8,7 +8,10 @@
    the step's `ModelRunnerOutput`.
 
 The runner keeps per-request sampling state (seeded generators, token history
-for penalties) keyed by request id; everything else comes from the plan.
+for penalties) keyed by request id; everything else comes from the plan. The
+first stage also keeps each request's latest sampled token (`record_sampled`;
+its own when it is also the last stage), which fills the placeholders of a
+plan scheduled before that token was known (async scheduling).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class ModelRunner:
         self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
         self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
         self.sampling_states: dict[str, RequestSamplingState] = {}
+        self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
         self.execute_state: ExecuteModelState | None = None
 
     @property
@@ -79,7 +83,7 @@ class ModelRunner:
             if self.is_last:
                 self.execute_state = ExecuteModelState(plan.step_id, [], None, finished)
             return None
-        inputs = self.buffers.prepare(plan)
+        inputs = self.buffers.prepare(plan, self.sampled_token_ids if self.model.is_first else None)
         if not self.model.is_first:
             if intermediate is None:
                 raise ValueError(f"step {plan.step_id}: stage {self.model.start_layer}.. needs intermediate tensors")
@@ -114,15 +118,22 @@ class ModelRunner:
         token_ids = out.sampled_token_ids.tolist()
         for req_state, token_id in zip(req_states, token_ids):
             req_state.output_token_ids.append(token_id)
+        if self.model.is_first:
+            self.record_sampled(state.sampling_req_ids, token_ids)
         return ModelRunnerOutput(
             req_ids=state.sampling_req_ids,
             sampled_token_ids=[[t] for t in token_ids],
             logprobs=_logprobs_lists(out, req_states),
         )
 
+    def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
+        """First stage: the tokens a step sampled, for the placeholders of later plans."""
+        self.sampled_token_ids.update(zip(req_ids, token_ids))
+
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.sampling_states.pop(req_id, None)
+            self.sampled_token_ids.pop(req_id, None)
         if not self.is_last:
             return
         for new in plan.new_requests:

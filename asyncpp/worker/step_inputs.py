@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncpp.core.plan import StepPlan
+from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
 from asyncpp.kernels.decode_attention import DecodeAttention
 from asyncpp.model.attention import AttentionMetadata
 
@@ -45,7 +45,8 @@ class StepInputBuffers:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, sampled_token_ids: dict[str, int] | None = None) -> StepInputs:
+        """Inputs of `plan`; on the first stage, placeholders become the requests' `sampled_token_ids`."""
         reqs = plan.scheduled
         num_new = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         num_tokens = int(num_new.sum())
@@ -63,6 +64,8 @@ class StepInputBuffers:
         )
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        if plan.after_step_id is not None and sampled_token_ids is not None:
+            _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids)
         self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
         self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
 
@@ -76,3 +79,15 @@ class StepInputBuffers:
             logits_indices=torch.from_numpy(last_rows[do_sample]).to(self.device),
             sampling_req_ids=[r.request_id for r, s in zip(reqs, do_sample) if s],
         )
+
+
+def _fill_placeholders(
+    token_ids: np.ndarray, num_new: np.ndarray, reqs: list, sampled_token_ids: dict[str, int]
+) -> None:
+    rows = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
+    if not len(rows):
+        return
+    req_index = np.repeat(np.arange(len(reqs)), num_new)[rows]
+    # A request without a sampled token had its sampling step fail: the engine fails it and
+    # drops this step's output for it, so any valid token will do.
+    token_ids[rows] = [sampled_token_ids.get(reqs[i].request_id, 0) for i in req_index.tolist()]

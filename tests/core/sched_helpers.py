@@ -9,10 +9,13 @@ so comparing outputs against a solo run catches corrupted requests.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import math
 import random
 from typing import Callable
 
-from asyncpp.core.plan import StepPlan
+from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
 from asyncpp.core.request import Request
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.kv.block_manager import BlockManager
@@ -105,6 +108,61 @@ def drive(
         scheduler.update_from_output(plan, sampled)
         assert num_plans < max_steps, "did not finish"
     return num_plans
+
+
+def drive_async(
+    scheduler: Scheduler, model: FakeKVModel, *, max_cohorts: int, max_steps: int = 100_000
+) -> tuple[int, int]:
+    """Run until no request is left the way the pipeline engine does with async scheduling.
+
+    Up to `max_cohorts` cohorts, each with up to two plans out: a new cohort
+    first, else the next plan of the cohort dispatched longest ago, scheduled
+    after its plan in flight. Plans execute at dispatch in step order with
+    their placeholders replaced by the latest sampled tokens (the first
+    stage's job) and come back in step order. Returns the number of plans
+    and of placeholders filled.
+    """
+    latest: dict[str, int] = {}
+    in_flight: collections.deque[tuple[StepPlan, dict[str, list[int]]]] = collections.deque()
+    cohorts: list[list[int]] = []
+
+    def next_plan() -> StepPlan | None:
+        size = max(1, math.ceil((scheduler.num_running + scheduler.num_waiting) / max_cohorts))
+        if len(cohorts) < max_cohorts and (plan := scheduler.schedule(max_num_reqs=size)) is not None:
+            cohorts.append([plan.step_id])
+            return plan
+        for cohort in sorted((c for c in cohorts if len(c) == 1), key=lambda c: c[0]):
+            if (plan := scheduler.schedule(max_num_reqs=size, after_step_id=cohort[0])) is not None:
+                cohort.append(plan.step_id)
+                return plan
+        return None
+
+    num_plans = num_placeholders = 0
+    while scheduler.has_unfinished_requests() or in_flight:
+        while (plan := next_plan()) is not None:
+            filled = [
+                dataclasses.replace(s, token_ids=[latest[s.request_id]])
+                if s.token_ids == [PLACEHOLDER_TOKEN_ID]
+                else s
+                for s in plan.scheduled
+            ]
+            num_placeholders += sum(s.token_ids == [PLACEHOLDER_TOKEN_ID] for s in plan.scheduled)
+            assert (plan.after_step_id is not None) == any(
+                s.token_ids == [PLACEHOLDER_TOKEN_ID] for s in plan.scheduled
+            ), "after_step_id set exactly when the plan has placeholders"
+            sampled = model.execute(dataclasses.replace(plan, scheduled=filled))
+            latest.update((request_id, tokens[-1]) for request_id, tokens in sampled.items())
+            in_flight.append((plan, sampled))
+            num_plans += 1
+        assert in_flight, "deadlock: unfinished requests but nothing schedulable or in flight"
+        plan, sampled = in_flight.popleft()
+        cohort = next(c for c in cohorts if c[0] == plan.step_id)
+        cohort.pop(0)
+        if not cohort:
+            cohorts.remove(cohort)
+        scheduler.update_from_output(plan, sampled)
+        assert num_plans < max_steps, "did not finish"
+    return num_plans, num_placeholders
 
 
 def solo_output(request: Request, *, block_size: int, max_model_len: int) -> list[int]:

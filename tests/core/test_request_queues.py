@@ -27,9 +27,9 @@ def test_youngest_idle_running_skips_in_flight_requests() -> None:
     for request in (a, b, c):
         queues.add(request)
         queues.admit_front()
-    c.is_in_flight = True
+    c.num_in_flight = 1
     assert queues.youngest_idle_running() is b
-    a.is_in_flight = b.is_in_flight = True
+    a.num_in_flight = b.num_in_flight = 2
     assert queues.youngest_idle_running() is None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sched_helpers import make_request
 
-from asyncpp.core.plan import StepPlan
+from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
 from asyncpp.core.request import RequestStatus
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.kv.block_manager import BlockManager
@@ -409,3 +409,69 @@ def test_a_step_that_preempts_admits_nobody() -> None:
     assert plan is not None
     s.update_from_output(plan, {"old": [3]})
     assert _ids(s.schedule()) == ["old", "young"]  # next step it is admitted again
+
+
+# ------------------------------------------------------------------ async scheduling
+def test_async_next_plan_has_a_placeholder_for_the_token_in_flight() -> None:
+    s = _scheduler(block_size=4)
+    s.add_request(make_request("a", [5, 6, 7, 8], max_tokens=8))
+    first = s.schedule()
+    assert s.schedule() is None  # without after_step_id an in-flight request waits
+    assert s.schedule(after_step_id=first.step_id + 1) is None  # nor does another plan's successor take it
+    ahead = s.schedule(after_step_id=first.step_id)
+    assert ahead is not None and ahead.after_step_id == first.step_id
+    (entry,) = ahead.scheduled
+    assert entry.token_ids == [PLACEHOLDER_TOKEN_ID] and entry.start_position == 4 and entry.do_sample
+    assert len(entry.block_ids) == 2  # position 4 opens the second block
+    assert s.schedule(after_step_id=ahead.step_id) is None  # at most two plans per request
+    with pytest.raises(ValueError, match="came back before step 0, the plan it follows"):
+        s.update_from_output(ahead, {"a": [12]})
+    s.update_from_output(first, {"a": [11]})
+    request = s.get_request("a")
+    assert request.output_token_ids == [11] and request.num_placeholders == 0 and request.num_computed_tokens == 5
+    s.update_from_output(ahead, {"a": [12]})
+    assert request.output_token_ids == [11, 12] and not request.is_in_flight
+    nxt = s.schedule()
+    assert nxt.scheduled[0].token_ids == [12] and nxt.after_step_id is None
+
+
+def test_async_prefix_cache_hashes_a_block_once_its_placeholder_is_known() -> None:
+    bm = BlockManager(16, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    s.add_request(make_request("a", [1, 2, 3], max_tokens=8))
+    first = s.schedule()
+    ahead = s.schedule(after_step_id=first.step_id)  # position 3 (a placeholder) fills block 0
+    assert bm.num_cached_blocks == 0
+    s.update_from_output(first, {"a": [9]})
+    s.update_from_output(ahead, {"a": [10]})
+    s.schedule()
+    assert bm.num_cached_blocks == 1
+    s.add_request(make_request("b", [1, 2, 3, 9, 4], max_tokens=2))
+    assert bm.get_computed_blocks([1, 2, 3, 9, 4]) == ([ahead.scheduled[0].block_ids[0]], 4)
+
+
+def test_async_no_token_after_one_that_finishes_by_length() -> None:
+    s = _scheduler()
+    s.add_request(make_request("a", [1, 2], max_tokens=1))
+    s.add_request(make_request("b", [3, 4], max_tokens=2))
+    a = s.get_request("a")
+    first = s.schedule()
+    ahead = s.schedule(after_step_id=first.step_id)
+    assert _ids(ahead) == ["b"]  # a finishes with the token in flight
+    s.update_from_output(first, _sample_all(first))
+    assert a.status is RequestStatus.FINISHED_LENGTH
+    assert s.schedule(after_step_id=ahead.step_id) is None  # b's second token is its last
+
+
+def test_async_request_that_stops_with_a_plan_ahead_frees_everything_when_it_is_back() -> None:
+    bm = BlockManager(16, 4)
+    s = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32)
+    s.add_request(make_request("a", [1, 2, 3], eos_token_id=2, max_tokens=8))
+    first = s.schedule()
+    ahead = s.schedule(after_step_id=first.step_id)
+    s.update_from_output(first, {"a": [2]})  # EOS: the plan ahead computed a token for nothing
+    request = s.get_request("a")
+    assert request.status is RequestStatus.FINISHED_STOPPED and bm.num_free_blocks == 16
+    assert s.schedule() is None
+    s.update_from_output(ahead, {"a": [5]})
+    assert request.output_token_ids == [2] and s.get_request("a") is None

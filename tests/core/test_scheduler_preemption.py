@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_helpers import FakeKVModel, drive, make_request, solo_output
+from sched_helpers import FakeKVModel, drive, drive_async, make_request, solo_output
 
 from asyncpp.core.request import Request
 from asyncpp.core.scheduler import Scheduler
@@ -68,3 +68,30 @@ def test_preempted_requests_finish_exactly_as_when_run_alone(
     assert scheduler.num_in_flight_steps == 0 and not scheduler.has_unfinished_requests()
     if enable_prefix_caching:
         assert block_manager.num_prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("max_cohorts", "num_blocks", "enable_prefix_caching"),
+    [(1, NUM_BLOCKS, True), (2, NUM_BLOCKS, True), (3, NUM_BLOCKS, False), (2, 256, True)],
+)
+def test_async_scheduling_finishes_every_request_exactly_as_when_run_alone(
+    max_cohorts: int, num_blocks: int, enable_prefix_caching: bool
+) -> None:
+    """Plans scheduled before the tokens they compute were sampled (placeholders), under preemption
+    (a tiny cache) and without it: same outputs, no block or request left behind."""
+    requests = _requests(seed=99)
+    expected = {r.request_id: solo_output(r, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN) for r in requests}
+    block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    scheduler = Scheduler(block_manager, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=MAX_MODEL_LEN)
+    for request in requests:
+        scheduler.add_request(request)
+    num_plans, num_placeholders = drive_async(scheduler, FakeKVModel(num_blocks, BLOCK_SIZE), max_cohorts=max_cohorts)
+
+    if num_blocks == NUM_BLOCKS:
+        assert sum(r.num_preemptions for r in requests) > 0
+    for request in requests:
+        assert request.is_finished and request.status.finish_reason in ("stop", "length")
+        assert request.output_token_ids == expected[request.request_id], request.request_id
+    assert block_manager.num_free_blocks == num_blocks and scheduler.kv_usage == 0.0
+    assert scheduler.num_in_flight_steps == 0 and not scheduler.has_unfinished_requests()
+    assert num_placeholders > num_plans / 4, (num_placeholders, num_plans)  # most decodes ran ahead

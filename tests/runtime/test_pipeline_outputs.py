@@ -63,15 +63,22 @@ def _max_steps_in_flight(log_file) -> int:
     return most
 
 
-@pytest.mark.parametrize("max_steps_in_flight,expected_window", [(0, 2), (1, 1), (3, 3)])
-async def test_window_and_stage_niceness(tmp_path, tiny_hf_dir, prompts, in_process, max_steps_in_flight, expected_window):
-    """The engine never has more steps out than the window (default pp_size), whatever its size the
-    outputs are unchanged, and the stages run at the configured lower CPU priority."""
+@pytest.mark.parametrize(
+    "max_steps_in_flight,async_scheduling,expected_window",
+    [(0, False, 2), (1, False, 1), (3, False, 3), (0, True, 4), (1, True, 2)],
+)
+async def test_window_and_stage_niceness(
+    tmp_path, tiny_hf_dir, prompts, in_process, max_steps_in_flight, async_scheduling, expected_window
+):
+    """The engine never has more steps out than the window (cohorts, default pp_size, times two with
+    async scheduling) and fills it, whatever its size the outputs are unchanged, and the stages run
+    at the configured lower CPU priority."""
     import os
 
     parallel = {"max_steps_in_flight": max_steps_in_flight, "stage_nice": 3}
+    scheduler = {"async_scheduling": async_scheduling}
     base_nice = os.getpriority(os.PRIO_PROCESS, 0)
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2), parallel=parallel)) as engine:
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2), parallel=parallel, scheduler=scheduler)) as engine:
         client = AsyncClient(engine.address)
         try:
             results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))

@@ -23,7 +23,7 @@ from asyncpp.wire.client_msgs import (
     StatsRequest,
 )
 from asyncpp.wire.codec import WireError, decode, encode
-from asyncpp.wire.stage_msgs import Shutdown, StageOutput, StageReady, StageStart
+from asyncpp.wire.stage_msgs import SampledTokens, Shutdown, StageOutput, StageReady, StageStart
 from asyncpp.worker.outputs import KVConnectorOutput, Logprobs, ModelRunnerOutput
 
 PARAMS = SamplingParams(
@@ -81,6 +81,9 @@ MESSAGES = [
     StageOutput(8, 0, error="stage 0: RuntimeError: boom"),
     Shutdown(),
     Shutdown("engine stopping"),
+    SampledTokens(41, ["a", "b"], [17, 4]),
+    StepPlan(step_id=42, scheduled=[ScheduledRequest("a", [-1], 3, [3], True)], after_step_id=41),
+    SampledTokens(42),
     ActivationNotice(41, 2, 35, ["hidden_states", "residual"]),
     GenerateRequest("r1", "Hello there", {"max_tokens": 4, "stop": ["x"], "temperature": 0.0}),
     GenerateRequest("r2", [1, 5, 319]),
