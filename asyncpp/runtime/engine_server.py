@@ -88,6 +88,7 @@ class EngineServer:
         self.in_flight: dict[int, _InFlightStep] = {}
         # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
         self.cohorts: list[list[int]] = []
+        self.last_dispatched_step_id = -1
         self.peer_of: dict[str, bytes] = {}
         self.log = get_logger(role="engine", pp_rank=None)
         self._wake = asyncio.Event()
@@ -254,6 +255,7 @@ class EngineServer:
         async with self._dispatch_lock:
             while not self.is_dead and (plan := self._schedule_next()) is not None:
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
+                self.last_dispatched_step_id = plan.step_id
                 await self.stages.broadcast(plan)
                 if self._is_debug:
                     self.log.debug(
@@ -268,7 +270,10 @@ class EngineServer:
         """The first step of a new cohort, else (async) the next step of the cohort dispatched longest ago.
 
         Stages run plans in dispatch order, and a cohort's next step needs the tokens of its
-        current one: dispatched after every other cohort's current step, it finds them sampled.
+        current one. It goes out only once other cohorts' steps (pp_size - 1 of them, or as
+        many as there are other cohorts) were dispatched after that one: those keep the first
+        stage busy while the current step finishes on the later stages. Right behind its
+        parent it would stall the first stage for a whole pass through the pipeline.
         """
         scheduler = self.core.scheduler
         if len(self.cohorts) < self.max_cohorts:
@@ -277,7 +282,10 @@ class EngineServer:
                 self.cohorts.append([plan.step_id])
                 return plan
         if self.async_scheduling:
+            spacing = min(self.pp_size - 1, len(self.cohorts) - 1)
             for cohort in sorted((c for c in self.cohorts if len(c) == 1), key=lambda c: c[0]):
+                if self.last_dispatched_step_id - cohort[0] < spacing:
+                    break  # the later ones were dispatched even more recently
                 plan = scheduler.schedule(max_num_reqs=self._cohort_size(), after_step_id=cohort[0])
                 if plan is not None:
                     cohort.append(plan.step_id)

@@ -113,7 +113,7 @@ def drive(
 def drive_async(
     scheduler: Scheduler, model: FakeKVModel, *, max_cohorts: int, max_steps: int = 100_000
 ) -> tuple[int, int]:
-    """Run until no request is left the way the pipeline engine does with async scheduling.
+    """Run until no request is left with async scheduling, like the pipeline engine (minus its spacing).
 
     Up to `max_cohorts` cohorts, each with up to two plans out: a new cohort
     first, else the next plan of the cohort dispatched longest ago, scheduled
