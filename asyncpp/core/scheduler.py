@@ -72,6 +72,7 @@ from asyncpp.kv.block_manager import BlockManager
 class _StepBuilder:
     num_budget_tokens: int
     max_num_reqs: int | None
+    num_prefill_budget: int  # prompt tokens (every token but a lone decode one) still allowed
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -91,6 +92,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -117,6 +119,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.async_scheduling = async_scheduling
         # Live requests, plus finished ones whose last plan is still in flight.
         self._requests: dict[str, Request] = {}
         self._queues = RequestQueues()
@@ -194,16 +197,28 @@ class Scheduler:
         return finished
 
     # ------------------------------------------------------------------ the step
-    def schedule(self, max_num_reqs: int | None = None, after_step_id: int | None = None) -> StepPlan | None:
+    def schedule(
+        self,
+        max_num_reqs: int | None = None,
+        after_step_id: int | None = None,
+        max_num_prefill_tokens: int | None = None,
+    ) -> StepPlan | None:
         """The next plan: idle requests, and with `after_step_id` also that in-flight plan's requests.
 
         A request of plan `after_step_id` continues in the new plan before the
         output is back (async scheduling): with its next prompt chunk, or, when
         that plan samples its next token, with a placeholder the first stage
         replaces by the sampled token. One that would surely finish there
-        (`max_tokens`, `max_model_len`) is not continued.
+        (`max_tokens`, `max_model_len`) is not continued. With
+        `async_scheduling`, a request whose prompt chunk is in flight may also
+        continue its prompt in any plan (no token to wait for).
+        `max_num_prefill_tokens` caps the prompt tokens of the plan (chunked
+        prefill only), so prompts can be spread evenly over the cohorts' plans.
         """
-        step = _StepBuilder(num_budget_tokens=self.max_num_batched_tokens, max_num_reqs=max_num_reqs)
+        num_prefill_budget = self.max_num_batched_tokens
+        if max_num_prefill_tokens is not None and self.enable_chunked_prefill:
+            num_prefill_budget = max(1, max_num_prefill_tokens)
+        step = _StepBuilder(self.max_num_batched_tokens, max_num_reqs, num_prefill_budget)
         is_blocked = False  # a running request was preempted or stalled: admit nobody new
         running = self._queues.running
         i = 0
@@ -220,7 +235,14 @@ class Scheduler:
                 i += 1
                 continue
             num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
+            if num_new_tokens > 1:  # a prompt chunk (or a recompute)
+                if step.num_prefill_budget == 0:
+                    i += 1
+                    continue
+                num_new_tokens = min(num_new_tokens, step.num_prefill_budget)
             if self._allocate_running(request, num_new_tokens, num_placeholders):
+                if num_new_tokens > 1:
+                    step.num_prefill_budget -= num_new_tokens
                 self._add_to_step(step, request, num_new_tokens, num_placeholders)
             else:
                 is_blocked = True
@@ -282,12 +304,24 @@ class Scheduler:
         return updates
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def num_pending_prefill_tokens(self) -> int:
+        """Prompt tokens not scheduled yet: waiting prompts and running requests' remaining chunks."""
+        num_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self._queues.waiting)
+        for request in self._queues.running:
+            num_left = request.num_tokens - request.num_computed_tokens
+            if num_left > 1:
+                num_tokens += num_left
+        return num_tokens
+
     def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
         """May an in-flight request be scheduled in the plan after `after_step_id`?"""
-        if after_step_id is None or request.last_step_id != after_step_id or request.num_in_flight != 1:
+        if request.num_in_flight != 1:
             return False
-        if request.num_computed_tokens < request.num_tokens:
-            return True  # the next prompt chunk: its tokens are known
+        if request.num_computed_tokens < request.num_tokens:  # the next prompt chunk: its tokens are known
+            return self.async_scheduling or request.last_step_id == after_step_id
+        if after_step_id is None or request.last_step_id != after_step_id:
+            return False
         # The token its plan samples is its last unless stop checks finish it; do not compute a
         # token after one that finishes it by length for sure.
         num_output_tokens = request.num_output_tokens + 1
@@ -321,7 +355,7 @@ class Scheduler:
     def _admit_waiting(self, step: _StepBuilder) -> None:
         queues = self._queues
         while queues.waiting and step.has_room and len(queues.running) < self.max_num_seqs:
-            if self._block_manager.num_free_blocks == 0:
+            if self._block_manager.num_free_blocks == 0 or step.num_prefill_budget == 0:
                 break  # a first allocation always needs a free block; skip the lookup (and its stats)
             request = queues.waiting[0]
             token_ids = request.all_token_ids
@@ -329,12 +363,13 @@ class Scheduler:
             num_new_tokens = len(token_ids) - num_hit_tokens
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 break
-            num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
+            num_new_tokens = min(num_new_tokens, step.num_budget_tokens, step.num_prefill_budget)
             block_ids = self._block_manager.allocate_slots(
                 request.request_id, token_ids, num_new_tokens, num_hit_tokens, hit_block_ids
             )
             if block_ids is None:
                 break  # FCFS: nobody behind it may take the blocks it waits for
+            step.num_prefill_budget -= num_new_tokens
             queues.admit_front()
             if request.status is RequestStatus.WAITING:  # first admission, not a return from preemption
                 request.num_cached_tokens = num_hit_tokens

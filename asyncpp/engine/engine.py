@@ -79,6 +79,7 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             max_model_len=capacity.max_model_len,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+            async_scheduling=config.scheduler.async_scheduling,
         )
         self.input_processor = InputProcessor(tokenizer, arch.vocab_size, capacity.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)

@@ -58,6 +58,10 @@ from asyncpp.wire.queues import PeerGoneError, RouterQueue
 from asyncpp.wire.stage_msgs import StageOutput
 
 
+# Smaller prompt chunks than this cost more in per-step overhead than they gain in balance.
+MIN_PREFILL_SHARE_TOKENS = 16
+
+
 @dataclass
 class _InFlightStep:
     plan: StepPlan
@@ -277,7 +281,7 @@ class EngineServer:
         """
         scheduler = self.core.scheduler
         if len(self.cohorts) < self.max_cohorts:
-            plan = scheduler.schedule(max_num_reqs=self._cohort_size())
+            plan = scheduler.schedule(max_num_reqs=self._cohort_size(), max_num_prefill_tokens=self._prefill_share())
             if plan is not None:
                 self.cohorts.append([plan.step_id])
                 return plan
@@ -286,7 +290,11 @@ class EngineServer:
             for cohort in sorted((c for c in self.cohorts if len(c) == 1), key=lambda c: c[0]):
                 if self.last_dispatched_step_id - cohort[0] < spacing:
                     break  # the later ones were dispatched even more recently
-                plan = scheduler.schedule(max_num_reqs=self._cohort_size(), after_step_id=cohort[0])
+                plan = scheduler.schedule(
+                    max_num_reqs=self._cohort_size(),
+                    after_step_id=cohort[0],
+                    max_num_prefill_tokens=self._prefill_share(),
+                )
                 if plan is not None:
                     cohort.append(plan.step_id)
                     return plan
@@ -296,6 +304,19 @@ class EngineServer:
         # Spread the live requests over the cohorts (disjoint), so every stage has work.
         num_live = self.core.scheduler.num_running + self.core.scheduler.num_waiting
         return max(1, math.ceil(num_live / self.max_cohorts))
+
+    def _prefill_share(self) -> int | None:
+        """Async scheduling: a plan takes its cohort's share of the pending prompt tokens.
+
+        A prompt admitted whole into one cohort's step makes that step longer than the
+        other cohorts' steps, and every stage idles for the difference. Split over the next
+        plans (a prompt's chunks need no token, so they may go to any cohort), the extra
+        work lands evenly.
+        """
+        if not self.async_scheduling or self.max_cohorts == 1:
+            return None
+        num_pending = self.core.scheduler.num_pending_prefill_tokens
+        return max(MIN_PREFILL_SHARE_TOKENS, math.ceil(num_pending / self.max_cohorts))
 
     def _retire(self, step_id: int) -> None:
         for cohort in self.cohorts:

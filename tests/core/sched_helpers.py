@@ -111,7 +111,12 @@ def drive(
 
 
 def drive_async(
-    scheduler: Scheduler, model: FakeKVModel, *, max_cohorts: int, max_steps: int = 100_000
+    scheduler: Scheduler,
+    model: FakeKVModel,
+    *,
+    max_cohorts: int,
+    min_prefill_share: int | None = None,
+    max_steps: int = 100_000,
 ) -> tuple[int, int]:
     """Run until no request is left with async scheduling, like the pipeline engine (minus its spacing).
 
@@ -119,8 +124,9 @@ def drive_async(
     first, else the next plan of the cohort dispatched longest ago, scheduled
     after its plan in flight. Plans execute at dispatch in step order with
     their placeholders replaced by the latest sampled tokens (the first
-    stage's job) and come back in step order. Returns the number of plans
-    and of placeholders filled.
+    stage's job) and come back in step order. With `min_prefill_share`, each
+    plan takes at most its cohort's share of the pending prompt tokens (at
+    least that many). Returns the number of plans and of placeholders filled.
     """
     latest: dict[str, int] = {}
     in_flight: collections.deque[tuple[StepPlan, dict[str, list[int]]]] = collections.deque()
@@ -128,11 +134,16 @@ def drive_async(
 
     def next_plan() -> StepPlan | None:
         size = max(1, math.ceil((scheduler.num_running + scheduler.num_waiting) / max_cohorts))
-        if len(cohorts) < max_cohorts and (plan := scheduler.schedule(max_num_reqs=size)) is not None:
-            cohorts.append([plan.step_id])
-            return plan
+        share = None
+        if min_prefill_share is not None:
+            share = max(min_prefill_share, math.ceil(scheduler.num_pending_prefill_tokens / max_cohorts))
+        if len(cohorts) < max_cohorts:
+            if (plan := scheduler.schedule(max_num_reqs=size, max_num_prefill_tokens=share)) is not None:
+                cohorts.append([plan.step_id])
+                return plan
         for cohort in sorted((c for c in cohorts if len(c) == 1), key=lambda c: c[0]):
-            if (plan := scheduler.schedule(max_num_reqs=size, after_step_id=cohort[0])) is not None:
+            plan = scheduler.schedule(max_num_reqs=size, after_step_id=cohort[0], max_num_prefill_tokens=share)
+            if plan is not None:
                 cohort.append(plan.step_id)
                 return plan
         return None

@@ -475,3 +475,38 @@ def test_async_request_that_stops_with_a_plan_ahead_frees_everything_when_it_is_
     assert s.schedule() is None
     s.update_from_output(ahead, {"a": [5]})
     assert request.output_token_ids == [2] and s.get_request("a") is None
+
+
+def test_prefill_share_splits_prompts_and_their_chunks_go_to_any_plan() -> None:
+    s = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, async_scheduling=True)
+    s.add_request(make_request("a", list(range(1, 41))))
+    s.add_request(make_request("b", list(range(50, 60))))
+    assert s.num_pending_prefill_tokens == 50
+    first = s.schedule(max_num_prefill_tokens=25)
+    assert [(e.request_id, e.num_tokens, e.do_sample) for e in first.scheduled] == [("a", 25, False)]
+    assert s.num_pending_prefill_tokens == 25
+    # A fresh plan (no after_step_id) continues a's prompt while its first chunk is in flight.
+    second = s.schedule(max_num_prefill_tokens=20)
+    assert [(e.request_id, e.start_position, e.num_tokens, e.do_sample) for e in second.scheduled] == [
+        ("a", 25, 15, True),
+        ("b", 0, 5, False),
+    ]
+    third = s.schedule(max_num_prefill_tokens=20)  # a has two plans out; b's rest needs no token either
+    assert [(e.request_id, e.start_position, e.num_tokens, e.do_sample) for e in third.scheduled] == [
+        ("b", 5, 5, True)
+    ]
+    assert s.schedule() is None
+    s.update_from_output(first, {})
+    s.update_from_output(second, {"a": [7]})
+    s.update_from_output(third, {"b": [8]})
+    fourth = s.schedule()
+    assert [(e.request_id, e.token_ids) for e in fourth.scheduled] == [("a", [7]), ("b", [8])]
+
+
+def test_without_async_scheduling_a_prompt_chunk_waits_for_its_plan() -> None:
+    s = _scheduler(block_size=4)
+    s.add_request(make_request("a", list(range(1, 41))))
+    first = s.schedule(max_num_prefill_tokens=25)
+    assert s.schedule() is None
+    ahead = s.schedule(after_step_id=first.step_id)  # its own cohort's next plan may
+    assert [(e.start_position, e.num_tokens) for e in ahead.scheduled] == [(25, 15)]

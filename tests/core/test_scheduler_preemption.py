@@ -71,21 +71,33 @@ def test_preempted_requests_finish_exactly_as_when_run_alone(
 
 
 @pytest.mark.parametrize(
-    ("max_cohorts", "num_blocks", "enable_prefix_caching"),
-    [(1, NUM_BLOCKS, True), (2, NUM_BLOCKS, True), (3, NUM_BLOCKS, False), (2, 256, True)],
+    ("max_cohorts", "num_blocks", "enable_prefix_caching", "min_prefill_share"),
+    [
+        (1, NUM_BLOCKS, True, None),
+        (2, NUM_BLOCKS, True, None),
+        (2, NUM_BLOCKS, True, 2),
+        (3, NUM_BLOCKS, False, 2),
+        (2, 256, True, None),
+        (3, 256, True, 3),
+    ],
 )
 def test_async_scheduling_finishes_every_request_exactly_as_when_run_alone(
-    max_cohorts: int, num_blocks: int, enable_prefix_caching: bool
+    max_cohorts: int, num_blocks: int, enable_prefix_caching: bool, min_prefill_share: int | None
 ) -> None:
-    """Plans scheduled before the tokens they compute were sampled (placeholders), under preemption
-    (a tiny cache) and without it: same outputs, no block or request left behind."""
+    """Plans scheduled before the tokens they compute were sampled (placeholders), prompts split
+    over the cohorts' plans, under preemption (a tiny cache) and without it: same outputs, no
+    block or request left behind."""
     requests = _requests(seed=99)
     expected = {r.request_id: solo_output(r, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN) for r in requests}
     block_manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
-    scheduler = Scheduler(block_manager, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(
+        block_manager, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=MAX_MODEL_LEN, async_scheduling=True
+    )
     for request in requests:
         scheduler.add_request(request)
-    num_plans, num_placeholders = drive_async(scheduler, FakeKVModel(num_blocks, BLOCK_SIZE), max_cohorts=max_cohorts)
+    num_plans, num_placeholders = drive_async(
+        scheduler, FakeKVModel(num_blocks, BLOCK_SIZE), max_cohorts=max_cohorts, min_prefill_share=min_prefill_share
+    )
 
     if num_blocks == NUM_BLOCKS:
         assert sum(r.num_preemptions for r in requests) > 0
