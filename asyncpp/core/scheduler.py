@@ -57,6 +57,7 @@ at start-up, so alone it always fits) and always progresses.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -306,8 +307,10 @@ class Scheduler:
     # ------------------------------------------------------------------ helpers
     @property
     def num_pending_prefill_tokens(self) -> int:
-        """Prompt tokens not scheduled yet: waiting prompts and running requests' remaining chunks."""
-        num_tokens = sum(r.num_tokens - r.num_computed_tokens for r in self._queues.waiting)
+        """Prompt tokens not scheduled yet: running requests' remaining chunks and the prompts of the
+        waiting requests that could run next (at most `max_num_seqs`: a long queue costs nothing)."""
+        waiting = itertools.islice(self._queues.waiting, self.max_num_seqs)
+        num_tokens = sum(r.num_tokens - r.num_computed_tokens for r in waiting)
         for request in self._queues.running:
             num_left = request.num_tokens - request.num_computed_tokens
             if num_left > 1:
