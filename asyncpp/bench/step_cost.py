@@ -1,0 +1,101 @@
+"""Decode step cost against batch size, and the pipeline speed-up it allows.
+
+    python -m asyncpp.bench.step_cost [--config configs/default.toml] [--batch-sizes 8,16,32,64,128,256]
+
+Runs the in-process `Engine` (pp=1, one thread) and times decode steps of B
+requests for each B. At concurrency C a pp=2 stage runs steps of C/2
+requests through half the model while pp=1 runs steps of C requests through
+all of it, so with both stages always busy pp=2 / pp=1 output throughput is
+at most t(C) / t(C/2): below 2 whenever a step has a cost its size does not
+share (streaming the weights from memory, per-step Python). This is the
+ceiling the serving benchmark's pp=2 vs pp=1 ratio is measured against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+
+from asyncpp.bench.prompts import synthetic_prompts
+from asyncpp.config import load_config
+from asyncpp.engine.engine import Engine
+from asyncpp.sampling.params import SamplingParams
+
+DEFAULT_CONFIG = "configs/default.toml"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    batch_size: int
+    step_ms: float
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.step_ms / self.batch_size
+
+
+def pp2_ceiling(costs: dict[int, StepCost], concurrency: int) -> float | None:
+    """Most pp=2 / pp=1 output throughput at `concurrency`: t(C) / t(C/2); None if either is missing."""
+    full, half = costs.get(concurrency), costs.get(concurrency // 2)
+    if full is None or half is None or concurrency % 2:
+        return None
+    return full.step_ms / half.step_ms
+
+
+def measure(engine: Engine, batch_size: int, num_steps: int, seed: int = 0) -> StepCost:
+    """Median decode step time with `batch_size` requests running (prefills excluded)."""
+    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    ids = [engine.add_request(prompt, params) for prompt in synthetic_prompts(batch_size, 8, 16, seed)]
+    while any(engine.scheduler.get_request(i).num_output_tokens == 0 for i in ids):  # prompts done
+        engine.step()
+    times = []
+    for _ in range(num_steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    times.sort()
+    return StepCost(batch_size, times[len(times) // 2] * 1e3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m asyncpp.bench.step_cost", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default=DEFAULT_CONFIG)
+    ap.add_argument("--batch-sizes", default="8,16,32,64,128,256")
+    ap.add_argument("--num-steps", type=int, default=20, help="timed decode steps per batch size")
+    ap.add_argument("--json", help="also write the figures to this file")
+    args = ap.parse_args(argv)
+    sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
+    base = load_config(args.config)
+    config = base.replace(
+        parallel={"pp_size": 1, "layer_split": (), "num_threads": 1},
+        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(max(sizes), 512)},
+        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024)},
+    )
+    engine = Engine(config)
+    measure(engine, min(sizes), 3)  # warm-up
+    costs = {b: measure(engine, b, args.num_steps) for b in sizes}
+    print(f"{'batch':>6} {'step ms':>9} {'ms/token':>9} {'pp=2 ceiling at concurrency':>28}")
+    for b, cost in costs.items():
+        ceiling = pp2_ceiling(costs, b)
+        shown = f"{ceiling:.2f}x at {b}" if ceiling is not None else "-"
+        print(f"{b:>6} {cost.step_ms:>9.2f} {cost.ms_per_token:>9.3f} {shown:>28}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "config": args.config,
+                    "step_ms": {str(b): c.step_ms for b, c in costs.items()},
+                    "pp2_ceiling": {str(b): pp2_ceiling(costs, b) for b in sizes},
+                },
+                f,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

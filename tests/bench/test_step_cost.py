@@ -1,0 +1,28 @@
+"""The step-cost benchmark: its ceiling arithmetic and a run on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from asyncpp.bench.step_cost import StepCost, main, pp2_ceiling
+
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-pp3.toml"
+
+
+def test_pp2_ceiling_is_full_step_over_half_step():
+    costs = {4: StepCost(4, 10.0), 8: StepCost(8, 15.0), 16: StepCost(16, 20.0)}
+    assert pp2_ceiling(costs, 8) == 1.5  # twice the steps of half the size: 2 * 10 ms vs 15 ms per 8 tokens
+    assert pp2_ceiling(costs, 16) == 20.0 / 15.0
+    assert pp2_ceiling(costs, 4) is None  # no steps of 2
+    assert costs[8].ms_per_token == 15.0 / 8
+
+
+def test_step_cost_runs_on_the_tiny_model(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    assert main(["--config", str(TINY_CONFIG), "--batch-sizes", "2,4", "--num-steps", "3", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["step_ms"]) == {"2", "4"} and all(ms > 0 for ms in result["step_ms"].values())
+    assert result["pp2_ceiling"]["2"] is None
+    assert result["pp2_ceiling"]["4"] == result["step_ms"]["4"] / result["step_ms"]["2"]
+    assert "pp=2 ceiling" in capsys.readouterr().out
