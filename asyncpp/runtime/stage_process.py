@@ -49,6 +49,7 @@ class StageArgs:
     model_path: str | None
     dtype: str
     device: str
+    linear_kernel: str
     num_threads: int
     block_size: int
     kv_cache_memory_mb: int
@@ -137,7 +138,9 @@ class Stage:
         t0 = time.time()
         arch = read_arch(a.model_source, a.model_path)
         dtype = torch_dtype(a.dtype)
-        self.model = build_model_slice(a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device)
+        self.model = build_model_slice(
+            a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device, a.linear_kernel
+        )
         recv_spec = None
         if not a.is_first:
             recv_spec = RingSpec(

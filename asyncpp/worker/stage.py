@@ -12,6 +12,7 @@ import torch
 
 from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kernels.fused_ops import fused_ops
+from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
@@ -22,7 +23,14 @@ from asyncpp.worker.kv_cache import allocate_kv_caches
 from asyncpp.worker.model_runner import ModelRunner
 
 def build_model_slice(
-    source: str, path: str | None, arch: ModelArch, start_layer: int, end_layer: int, dtype: torch.dtype, device: str
+    source: str,
+    path: str | None,
+    arch: ModelArch,
+    start_layer: int,
+    end_layer: int,
+    dtype: torch.dtype,
+    device: str,
+    linear_kernel: str = "auto",
 ) -> LlamaModel:
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
@@ -39,13 +47,15 @@ def build_model_slice(
     del tensors
     model = model.to(device=device, dtype=dtype)
     model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
-    num_packed = pack_linear_layers(model) if can_pack(device, dtype) else 0
+    kernel = linear_bf16_kernel(device, dtype) if linear_kernel == "auto" else None
+    num_packed = pack_linear_layers(model, kernel) if kernel is not None or can_pack(device, dtype) else 0
     model.use_fused_ops(fused_ops(device, dtype))
     log.info(
         "model_slice_loaded",
         source=source,
         dtype=str(dtype),
         num_packed_linears=num_packed,
+        linear_backend="linear_bf16" if kernel is not None else "onednn" if num_packed else "torch",
         fused_ops=model.fused is not None,
         duration_s=round(time.perf_counter() - t0, 3),
     )

@@ -1,0 +1,86 @@
+"""The AVX512-BF16 linear kernel: batch invariant, thread invariant, and close to a float32 matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
+from asyncpp.model.packed_linear import KernelLinear, pack_linear_layers
+
+BF16 = torch.bfloat16
+
+# SmolLM2-135M's qkv, o, gate+up and down projections and lm_head (cut to 4096 rows), then
+# shapes that leave partial blocks and panels (out % 64, out % 16) and an odd in_features.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 576), (100, 64), (37, 33), (7, 1)]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = linear_bf16_kernel("cpu", BF16)
+    if k is None:
+        pytest.skip("linear_bf16 kernel unavailable (no compiler, no AVX512-BF16, or an AMX CPU)")
+    return k
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _case(shape, rows, seed=0):
+    g = torch.Generator().manual_seed(seed + shape[0] * 7 + shape[1])
+    weight = (0.05 * torch.randn(shape, generator=g)).to(BF16)
+    x = torch.randn(rows, shape[1], generator=g).to(BF16)
+    return weight, x
+
+
+def test_only_bfloat16_on_cpu():
+    assert linear_bf16_kernel("cpu", torch.float32) is None
+    assert linear_bf16_kernel("meta", BF16) is None
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_close_to_a_float32_matmul(kernel, shape):
+    weight, x = _case(shape, 50)
+    y = kernel.linear(x, kernel.pack(weight), shape[0])
+    ref = x.float() @ weight.float().T
+    assert y.dtype == BF16 and y.shape == (50, shape[0])
+    # one bfloat16 rounding of the result (2^-8 relative) plus float32 summation noise
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-4 * shape[1] ** 0.5)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, shape):
+    """200 rows cross the 96-row chunk and every tile size (1-6 rows) is exercised below."""
+    weight, x = _case(shape, 200, seed=1)
+    packed = kernel.pack(weight)
+    torch.set_num_threads(1)
+    whole = kernel.linear(x, packed, shape[0])
+    torch.set_num_threads(threads)
+    for rows in (1, 2, 3, 5, 7, 13, 16, 64, 97):
+        batched = torch.cat([kernel.linear(x[s : s + rows], packed, shape[0]) for s in range(0, x.shape[0], rows)])
+        differing = int((batched != whole).any(dim=1).sum())
+        assert differing == 0, f"{differing} rows change when computed {rows} at a time with {threads} threads"
+
+
+def test_strided_rows_and_leading_dims(kernel):
+    weight, x = _case((192, 576), 12)
+    layer = KernelLinear(weight, kernel)
+    wide = torch.zeros(12, 700, dtype=BF16)
+    wide[:, 100:676] = x
+    view = wide[:, 100:676]  # row stride 700, not contiguous
+    assert torch.equal(layer(view), layer(x))
+    assert torch.equal(layer(x.view(3, 4, 576)), layer(x).view(3, 4, 192))
+
+
+def test_pack_linear_layers_uses_the_kernel(kernel):
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 64, bias=True)).to(BF16)
+    x = torch.randn(5, 64).to(BF16)
+    weight = model[0].weight.detach().clone()
+    assert pack_linear_layers(model, kernel) == 1  # layers with a bias stay plain
+    assert isinstance(model[0], KernelLinear) and isinstance(model[1], torch.nn.Linear)
+    assert torch.equal(model[0](x), kernel.linear(x, kernel.pack(weight), 32))
