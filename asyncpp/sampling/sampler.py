@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncpp.kernels.argmax import argmax_rows
 from asyncpp.sampling.filters import apply_min_p, apply_top_k_top_p
 from asyncpp.sampling.output import RequestLogprobs, SamplerOutput
 from asyncpp.sampling.params import SamplingParams
@@ -91,7 +92,7 @@ class Sampler:
         self._apply_top_k_top_p(probs, params)
         # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
         exponentials = self._draw_exponentials(states, probs.shape)
-        return probs.div_(exponentials).argmax(dim=-1)
+        return _argmax(probs.div_(exponentials))
 
     def _apply_top_k_top_p(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         """Filter in place, sorting only the rows that use top-k or top-p."""
@@ -170,5 +171,5 @@ class Sampler:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab] -> [num_reqs]
-    # Same first-maximum tie rule as argmax, but ~2.5x faster on CPU (bf16 and float32).
-    return logits.max(dim=-1).indices
+    # torch.argmax's first-maximum rule; a C kernel on CPU (torch's reduction is ~10x slower there).
+    return argmax_rows(logits)

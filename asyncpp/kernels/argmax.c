@@ -1,0 +1,98 @@
+/* Row-wise argmax of float32 or bfloat16 logits on CPU (greedy sampling).
+ *
+ * Same answer as torch's `x.max(dim=-1).indices`: the first index of the
+ * largest value, and a NaN counts as larger than any number (the first NaN
+ * wins). Each of 4 x 16 lanes keeps its own best value and index (a lane
+ * sees increasing indices, so a strict `>` keeps its first maximum), then
+ * the lanes and the tail are folded in by (value, index).
+ * torch's reduction reads bfloat16 element by element; this one runs at
+ * memory speed.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+#define MIN_ROWS_PER_THREAD 8
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline f32x16 load16(const char *row, int64_t i, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        u16x16 h;
+        memcpy(&h, row + i * 2, sizeof h);
+        return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+    }
+    f32x16 x;
+    memcpy(&x, row + i * 4, sizeof x);
+    return x;
+}
+
+static inline float load1(const char *row, int64_t i, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t h;
+        memcpy(&h, row + i * 2, sizeof h);
+        const uint32_t u = (uint32_t)h << 16;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    float f;
+    memcpy(&f, row + i * 4, sizeof f);
+    return f;
+}
+
+/* Does `v` (at a later index) replace the best so far `m`? */
+static inline int beats(float v, float m) { return v > m || (v != v && m == m); }
+
+/* Fold candidate (v, vi) into (best, best_idx): the larger value (NaN largest), the earlier index on a tie. */
+static inline void fold(float v, int64_t vi, float *best, int64_t *best_idx) {
+    if (vi > *best_idx ? beats(v, *best) : !beats(*best, v)) {
+        *best = v;
+        *best_idx = vi;
+    }
+}
+
+/* SETS independent lane sets break the compare-and-select dependency chain (4x faster than one). */
+#define SETS 4
+#define WIDTH (SETS * LANES)
+
+static int64_t argmax_row(const char *row, int64_t n, int dtype) {
+    float best = load1(row, 0, dtype);
+    int64_t best_idx = 0, i = 1;
+    if (n >= WIDTH) {
+        f32x16 m[SETS];
+        i32x16 idx[SETS], cur[SETS];
+        for (int s = 0; s < SETS; s++) {
+            m[s] = load16(row, s * LANES, dtype);
+            for (int l = 0; l < LANES; l++) idx[s][l] = s * LANES + l;
+            cur[s] = idx[s];
+        }
+        for (i = WIDTH; i + WIDTH <= n; i += WIDTH)
+            for (int s = 0; s < SETS; s++) {
+                const f32x16 v = load16(row, i + s * LANES, dtype);
+                cur[s] += WIDTH;
+                const i32x16 take = (v > m[s]) | ((v != v) & (m[s] == m[s]));
+                m[s] = (f32x16)(((i32x16)v & take) | ((i32x16)m[s] & ~take));
+                idx[s] = (cur[s] & take) | (idx[s] & ~take);
+            }
+        for (int s = 0; s < SETS; s++)
+            for (int l = 0; l < LANES; l++) fold(m[s][l], idx[s][l], &best, &best_idx);
+    }
+    for (; i < n; i++) fold(load1(row, i, dtype), i, &best, &best_idx);
+    return best_idx;
+}
+
+/* out[r] = argmax of row r of `x` ([rows, n], row stride in elements); n >= 1. */
+void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int64_t n, int dtype, int64_t *out,
+                 int num_threads) {
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, useful = rows / MIN_ROWS_PER_THREAD;
+    const int team = useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + r * row_stride * elem, n, dtype);
+}
