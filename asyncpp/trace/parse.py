@@ -4,7 +4,8 @@ Several processes append to the same file, so lines from other programs,
 garbage, blank lines and a JSON object cut short by a killed process are
 expected: each is counted in `ParsedLog.skipped` (or `num_blank`) and the
 next line is read. Fields beyond the ones used are ignored; `num_reqs`,
-`num_tokens` and `handoff_us` default to 0 and the engine gauges to None.
+`num_tokens` and `handoff_us` default to 0, the engine gauges and
+`after_step_id` to None.
 
 Used events and required fields:
   stage_done       pp_rank, step_id, start_us, end_us
@@ -92,6 +93,7 @@ def _step_dispatched(obj: dict[str, Any], log: ParsedLog) -> None:
             t_us=_int(obj, "t_us"),
             num_reqs=_int(obj, "num_reqs", 0),
             num_tokens=_int(obj, "num_tokens", 0),
+            after_step_id=_int(obj, "after_step_id", None),
         )
     )
 

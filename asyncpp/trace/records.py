@@ -37,6 +37,7 @@ class StepDispatched:
     t_us: int
     num_reqs: int = 0
     num_tokens: int = 0
+    after_step_id: int | None = None  # async scheduling: the step whose sampled tokens this one waits for
 
 
 @dataclass(frozen=True)

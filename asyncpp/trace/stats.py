@@ -5,6 +5,7 @@ Definitions (all from `stage_done` slices):
   span          = first slice start .. last slice end, over all stages
   bubble(stage) = 1 - busy(stage) / span
   mean bubble   = mean of bubble(stage) over the stages seen in the log
+What the bubbles waited on: `asyncpp.trace.waits`.
 A span of zero (only empty slices) gives busy fraction 0, bubble 1.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from asyncpp.trace.intervals import union_length
 from asyncpp.trace.records import ParsedLog
+from asyncpp.trace.waits import format_waits, phase_balance, stage_waits
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ def format_summary(log: ParsedLog, stats: PipelineStats | None) -> str:
                 f"bubble {st.bubble_fraction:6.1%}{handoff}"
             )
         lines.append(f"mean bubble fraction {stats.mean_bubble_fraction:.1%}")
+        lines.append("what the bubbles waited on (each gap charged to the input ready last):")
+        lines.extend(format_waits(stage_waits(log), phase_balance(log)))
         num_repeated = len(log.slices) - len({(s.pp_rank, s.step_id) for s in log.slices})
         if num_repeated:
             lines.append(f"warning: {num_repeated} (stage, step_id) slices repeat; does the file hold several runs?")
