@@ -10,41 +10,16 @@
  */
 
 #include <stdint.h>
-#include <string.h>
 
-#define LANES 16
+#include "cpu_math.h"
+#include "cpu_vec.h"
+
 #define MIN_ROWS_PER_THREAD 8
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
-static inline f32x16 load16(const char *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        u16x16 h;
-        memcpy(&h, row + i * 2, sizeof h);
-        return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
-    }
-    f32x16 x;
-    memcpy(&x, row + i * 4, sizeof x);
-    return x;
-}
-
+/* Element i of a float32 or bfloat16 row, as float32. */
 static inline float load1(const char *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        uint16_t h;
-        memcpy(&h, row + i * 2, sizeof h);
-        const uint32_t u = (uint32_t)h << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    float f;
-    memcpy(&f, row + i * 4, sizeof f);
-    return f;
+    if (dtype == DTYPE_BF16) return widen(((const uint16_t *)row)[i]);
+    return ((const float *)row)[i];
 }
 
 /* Does `v` (at a later index) replace the best so far `m`? */
@@ -91,8 +66,7 @@ static int64_t argmax_row(const char *row, int64_t n, int dtype) {
 /* out[r] = argmax of row r of `x` ([rows, n], row stride in elements); n >= 1. */
 void argmax_rows(const void *x, int64_t row_stride, int64_t rows, int64_t n, int dtype, int64_t *out,
                  int num_threads) {
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, useful = rows / MIN_ROWS_PER_THREAD;
-    const int team = useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
-#pragma omp parallel for num_threads(team) schedule(static)
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
     for (int64_t r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + r * row_stride * elem, n, dtype);
 }

@@ -1,4 +1,5 @@
-/* Scalar helpers shared by the CPU kernels: bfloat16 <-> float32 and a vectorisable exp.
+/* Scalar helpers shared by the CPU kernels: bfloat16 <-> float32, a vectorisable exp, and the
+ * size of a thread team for a loop over rows.
  *
  * Everything is plain arithmetic and bit moves, so loops calling these
  * (under `#pragma omp simd`) compile to SIMD code; libm's expf would be a
@@ -43,6 +44,13 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, sizeof scale);
     return p * scale;
+}
+
+/* Threads for a loop over `rows` independent rows: one per `min_rows` rows (below that, waking a
+ * thread costs more than it saves), at least one, at most `num_threads`. */
+static inline int team_size(int64_t rows, int64_t min_rows, int num_threads) {
+    const int64_t useful = rows / min_rows;
+    return useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
 }
 
 #endif

@@ -33,38 +33,21 @@
 #include <string.h>
 
 #include "cpu_math.h"
+#include "cpu_vec.h"
 
-#define LANES 16
 #define MAX_CHUNKS 16 /* head_dim / LANES */
 #define MAX_GROUP 16
 #define PREFETCH_ROWS 16 /* positions ahead */
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
-
 static const f32x16 ZERO = {0};
 
-/* Lanes [i*16, i*16+16) of a float32 or bfloat16 row, as float32. */
-static inline f32x16 load16(const char *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        u16x16 h;
-        memcpy(&h, row + i * LANES * 2, sizeof h);
-        return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
-    }
-    f32x16 x;
-    memcpy(&x, row + i * LANES * 4, sizeof x);
-    return x;
-}
-
+/* Store x as elements [i, i + 16) of a float32 or bfloat16 row (bfloat16 rounded to nearest even). */
 static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
     if (dtype == DTYPE_BF16) {
-        uint16_t *h = (uint16_t *)row + i * LANES;
+        uint16_t *h = (uint16_t *)row + i;
         for (int l = 0; l < LANES; l++) h[l] = narrow(x[l]);
     } else {
-        memcpy(row + i * LANES * 4, &x, sizeof x);
+        memcpy(row + i * 4, &x, sizeof x);
     }
 }
 
@@ -134,7 +117,7 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t head_bytes = (int64_t)chunks * LANES * (dtype == DTYPE_BF16 ? 2 : 4);
     for (int g = 0; g < group; g++)
         for (int c = 0; c < chunks; c++) {
-            qv[g][c] = load16(q + g * head_bytes, c, dtype) * scale;
+            qv[g][c] = load16(q + g * head_bytes, c * LANES, dtype) * scale;
             acc[g][c] = ZERO;
         }
     /* Pass 1: every key's score for the group's heads; head g's scores start at g * ctx.
@@ -154,7 +137,7 @@ static inline __attribute__((always_inline)) void attend(
                 prefetch_rows(k_cache, v_cache, next_slot(blocks, block_size, &ahead) * kv_row_bytes, head_bytes);
             const char *k_row = k_cache + next_slot(blocks, block_size, &cursor) * kv_row_bytes;
             for (int c = 0; c < chunks; c++) {
-                const f32x16 k = load16(k_row, c, dtype);
+                const f32x16 k = load16(k_row, c * LANES, dtype);
                 for (int g = 0; g < group; g++) s[g][j] += qv[g][c] * k;
             }
         }
@@ -184,12 +167,12 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t pos = 0; pos < ctx; pos++) {
         const char *v_row = v_cache + next_slot(blocks, block_size, &cursor) * kv_row_bytes;
         for (int c = 0; c < chunks; c++) {
-            const f32x16 v = load16(v_row, c, dtype);
+            const f32x16 v = load16(v_row, c * LANES, dtype);
             for (int g = 0; g < group; g++) acc[g][c] += scores[g * ctx + pos] * v;
         }
     }
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) store16(out + g * head_bytes, c, dtype, acc[g][c] * (1.0f / denom[g]));
+        for (int c = 0; c < chunks; c++) store16(out + g * head_bytes, c * LANES, dtype, acc[g][c] * (1.0f / denom[g]));
 }
 
 /* Returns 0, or 1 for shapes this kernel does not take, 2 when scratch memory could not be allocated. */

@@ -24,14 +24,9 @@ static inline float silu(float x) {
     return x * ((x >= 0.0f ? 1.0f : t) / (1.0f + t));
 }
 
-static inline int team_size(int64_t rows, int num_threads) {
-    const int64_t useful = rows / MIN_ROWS_PER_THREAD;
-    return useful < 1 ? 1 : (useful < num_threads ? (int)useful : num_threads);
-}
-
 void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16_t *weight, uint16_t *residual_out,
                        uint16_t *out, int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for num_threads(team_size(rows, num_threads)) schedule(static)
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *xi = x + i * dim;
         uint16_t *ri = residual_out + i * dim, *oi = out + i * dim;
@@ -58,7 +53,7 @@ void add_rms_norm_bf16(const uint16_t *x, const uint16_t *residual, const uint16
 }
 
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t dim, int num_threads) {
-#pragma omp parallel for num_threads(team_size(rows, num_threads)) schedule(static)
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const uint16_t *gate = gate_up + i * 2 * dim, *up = gate + dim;
         uint16_t *oi = out + i * dim;
@@ -74,7 +69,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 void rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
                const float *sin_table, int64_t rows, int64_t num_heads, int64_t head_dim, int num_threads) {
     const int64_t half = head_dim / 2;
-#pragma omp parallel for num_threads(team_size(rows, num_threads)) schedule(static)
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
     for (int64_t i = 0; i < rows; i++) {
         const float *cos_row = cos_table + positions[i] * head_dim, *sin_row = sin_table + positions[i] * head_dim;
         for (int64_t h = 0; h < num_heads; h++) {
