@@ -10,6 +10,7 @@ compiler, use torch.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -19,9 +20,10 @@ _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+@functools.cache
 def _library() -> ctypes.CDLL | None:
     lib = load_kernel_library("argmax")
-    if lib is not None and lib.argmax_rows.argtypes is None:
+    if lib is not None:
         lib.argmax_rows.argtypes = [_PTR, _I64, _I64, _I64, _INT, _PTR, _INT]
         lib.argmax_rows.restype = None
     return lib

@@ -13,7 +13,8 @@ Per step, in order:
    never depend on the batch; unseeded rows share one draw from the global RNG.
 
 All math is float32 whatever the logits dtype (a batch that is all plain
-greedy takes argmax in the input dtype, which is exact). The input tensor is
+greedy takes argmax in the input dtype, which is exact; every argmax is
+`argmax_rows`: torch's first-maximum rule, a C kernel on CPU). The input tensor is
 never written to. Results come back on the CPU. Seeded states' generators
 must live on the sampler's device (`RequestSamplingState.create(device=...)`).
 """
@@ -48,7 +49,7 @@ class Sampler:
         logits = logits.to(device=self.device)
         if self._is_plain_greedy(states):
             # argmax is exact in any float dtype: skip the float32 copy.
-            return SamplerOutput(_argmax(logits).cpu())
+            return SamplerOutput(argmax_rows(logits).cpu())
         logits = logits.to(dtype=torch.float32)
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = None  # [num_logprob_rows, vocab_size]
@@ -69,14 +70,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if not random_rows:
-            return _argmax(logits)
+            return argmax_rows(logits)
         if len(random_rows) == len(states):
             return self._sample_random(logits, states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         greedy_ids = self._index(greedy_rows)
         random_ids = self._index(random_rows)
         sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
-        sampled[greedy_ids] = _argmax(logits[greedy_ids])
+        sampled[greedy_ids] = argmax_rows(logits[greedy_ids])
         sampled[random_ids] = self._sample_random(logits[random_ids], [states[i] for i in random_rows])
         return sampled
 
@@ -92,7 +93,7 @@ class Sampler:
         self._apply_top_k_top_p(probs, params)
         # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
         exponentials = self._draw_exponentials(states, probs.shape)
-        return _argmax(probs.div_(exponentials))
+        return argmax_rows(probs.div_(exponentials))
 
     def _apply_top_k_top_p(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         """Filter in place, sorting only the rows that use top-k or top-p."""
@@ -168,8 +169,3 @@ class Sampler:
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.device)
-
-
-def _argmax(logits: torch.Tensor) -> torch.Tensor:  # [num_reqs, vocab] -> [num_reqs]
-    # torch.argmax's first-maximum rule; a C kernel on CPU (torch's reduction is ~10x slower there).
-    return argmax_rows(logits)
