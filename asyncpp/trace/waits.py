@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from asyncpp.trace.records import ParsedLog, StageSlice
+from asyncpp.trace.records import ParsedLog, StageSlice, StepDispatched
 
 CAUSES = ("plan", "activations", "tokens", "stage")
 
@@ -34,6 +34,10 @@ class StageWaits:
     @property
     def idle_us(self) -> int:
         return sum(self.wait_us.values())
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_us / self.span_us if self.span_us > 0 else 0.0
 
     def fraction(self, cause: str) -> float:
         return self.wait_us[cause] / self.span_us if self.span_us > 0 else 0.0
@@ -50,36 +54,34 @@ class PhaseBalance:
 def stage_waits(log: ParsedLog) -> list[StageWaits]:
     """Per stage, its gaps charged to the cause that was ready last (see the module doc)."""
     ranks = log.pp_ranks
-    if not ranks:
-        return []
     by_rank = {r: sorted((s for s in log.slices if s.pp_rank == r), key=lambda s: s.start_us) for r in ranks}
     end_of = {r: {s.step_id: s.end_us for s in by_rank[r]} for r in ranks}
     dispatched = {d.step_id: d for d in log.dispatched}
-    last = ranks[-1]
     result = []
-    for rank in ranks:
+    for i, rank in enumerate(ranks):
+        # The first stage waits for the last stage's tokens; the others for the previous stage's activations.
+        upstream = end_of[ranks[-1]] if i == 0 else end_of[ranks[i - 1]]
         slices = by_rank[rank]
         waits = dict.fromkeys(CAUSES, 0)
         for prev, cur in zip(slices, slices[1:]):
             gap = cur.start_us - prev.end_us
             if gap > 0:
-                waits[_cause(cur, prev.end_us, rank, ranks, end_of, dispatched, last)] += gap
-        span = slices[-1].end_us - slices[0].start_us
-        result.append(StageWaits(rank, span, waits))
+                waits[_cause(cur, prev.end_us, dispatched, upstream, is_first=i == 0)] += gap
+        result.append(StageWaits(rank, slices[-1].end_us - slices[0].start_us, waits))
     return result
 
 
-def _cause(cur: StageSlice, free_us: int, rank: int, ranks: list[int], end_of, dispatched, last: int) -> str:
+def _cause(
+    cur: StageSlice, free_us: int, dispatched: dict[int, StepDispatched], upstream: dict[int, int], is_first: bool
+) -> str:
     ready = {}
     plan = dispatched.get(cur.step_id)
     if plan is not None:
         ready["plan"] = plan.t_us
-        if plan.after_step_id is not None and rank == ranks[0] and plan.after_step_id in end_of[last]:
-            ready["tokens"] = end_of[last][plan.after_step_id]
-    if rank != ranks[0]:
-        previous_rank = ranks[ranks.index(rank) - 1]
-        if cur.step_id in end_of[previous_rank]:
-            ready["activations"] = end_of[previous_rank][cur.step_id]
+    if not is_first and cur.step_id in upstream:
+        ready["activations"] = upstream[cur.step_id]
+    if is_first and plan is not None and plan.after_step_id in upstream:
+        ready["tokens"] = upstream[plan.after_step_id]
     late = {cause: t for cause, t in ready.items() if t > free_us}
     return max(late, key=late.__getitem__) if late else "stage"
 
@@ -112,7 +114,7 @@ def format_waits(waits: list[StageWaits], balance: PhaseBalance | None) -> list[
     lines = []
     for w in waits:
         parts = ", ".join(f"{c} {w.fraction(c):.1%}" for c in CAUSES if w.wait_us[c])
-        lines.append(f"  stage {w.pp_rank} waited {w.idle_us / w.span_us if w.span_us else 0:.1%}: {parts or '-'}")
+        lines.append(f"  stage {w.pp_rank} waited {w.idle_fraction:.1%}: {parts or '-'}")
     if balance is not None and (balance.num_decode or balance.num_prompt):
 
         def show(ratio: float | None, n: int) -> str:
