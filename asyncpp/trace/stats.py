@@ -5,8 +5,8 @@ Definitions (all from `stage_done` slices):
   span          = first slice start .. last slice end, over all stages
   bubble(stage) = 1 - busy(stage) / span
   mean bubble   = mean of bubble(stage) over the stages seen in the log
-What the bubbles waited on: `asyncpp.trace.waits`.
 A span of zero (only empty slices) gives busy fraction 0, bubble 1.
+What the bubbles waited on: `asyncpp.trace.waits`.
 """
 
 from __future__ import annotations
