@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 from asyncpp.client import AsyncClient
 from asyncpp.sampling.params import SamplingParams
@@ -36,5 +39,14 @@ async def test_stages_die_with_a_killed_launcher(tmp_path, tiny_hf_dir):
                 if pid_alive(pid):
                     os.kill(pid, signal.SIGKILL)
         print(f"\nstages gone {took_s:.2f} s after the launcher was killed")
-        # The multiprocessing resource tracker unlinks the ring once the last stage is gone.
-        wait_until(lambda: not shm_segments(f"asyncpp-{run_id}"), 5, "ring unlinked")
+        try:
+            # The multiprocessing resource tracker unlinks the ring once the last stage is gone.
+            wait_until(lambda: not shm_segments(f"asyncpp-{run_id}"), 5, "ring unlinked")
+        finally:
+            _remove_run_dirs(run_id)
+
+
+def _remove_run_dirs(run_id: str) -> None:
+    """The killed launcher's socket directory: nothing that survives it can remove it, so the test does."""
+    for run_dir in Path(tempfile.gettempdir()).glob(f"asyncpp-{run_id}-*"):
+        shutil.rmtree(run_dir, ignore_errors=True)
