@@ -3,11 +3,12 @@
 Off unless `ASYNCPP_PROFILE_DIR` names a directory; then
 `profiled("engine")` writes `engine-<pid>.prof` there when the block exits
 (read it with `python -m pstats FILE` or snakeviz). The engine wraps its
-serving loop in it and the serve benchmark its client, so
+serving loop in it, each stage process its step loop (`stage<rank>-<pid>.prof`)
+and the serve benchmark its client, so
 
     ASYNCPP_PROFILE_DIR=/tmp/prof python -m asyncpp.bench ...
 
-profiles both under load. Times are the profiled thread's CPU time
+profiles all of them under load. Times are the profiled thread's CPU time
 (`time.thread_time`), not wall time: on a loaded machine a wall-clock
 profile charges a function for the time the thread sat descheduled in it
 (a socket send that wakes another thread, say). Set `ASYNCPP_PROFILE_CLOCK=wall`

@@ -29,6 +29,7 @@ import torch
 from asyncpp.core.plan import StepPlan
 from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
+from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
@@ -83,7 +84,8 @@ def stage_main(args: StageArgs) -> None:
     log = get_logger(role="stage", pp_rank=args.pp_rank)
     stage = Stage(args, log)
     try:
-        stage.serve()
+        with profiled(f"stage{args.pp_rank}"):
+            stage.serve()
     finally:
         stage.close()
     log.info("stage_stopped")
