@@ -14,10 +14,9 @@ import functools
 
 import torch
 
-from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @functools.cache
@@ -31,7 +30,7 @@ def _library() -> ctypes.CDLL | None:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """`[rows, n]` -> `[rows]` int64: the first index of each row's largest value."""
-    dtype = _DTYPES.get(logits.dtype)
+    dtype = VEC_DTYPE_CODES.get(logits.dtype)
     lib = _library() if logits.device.type == "cpu" and dtype is not None else None
     if lib is None or logits.dim() != 2 or logits.shape[1] == 0:
         return logits.max(dim=-1).indices

@@ -24,10 +24,14 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+import torch
+
 from asyncpp.logging import get_logger
 
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "ASYNCPP_DISABLE_KERNELS"
+# The dtype codes kernels that take float32 or bfloat16 rows expect: the DTYPE_* enum in cpu_vec.h.
+VEC_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def kernel_cache_dir() -> Path:

@@ -17,9 +17,8 @@ from typing import Callable
 
 import torch
 
-from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}  # enum in decode_attention.c
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
              ctypes.c_float, _I64, ctypes.c_int, ctypes.c_int]
@@ -32,14 +31,14 @@ def decode_attention_kernel(
 ) -> DecodeAttention | None:
     group = num_heads // num_kv_heads
     supported = head_dim % 16 == 0 and head_dim <= 256 and group * num_kv_heads == num_heads and group <= 16
-    if torch.device(device).type != "cpu" or dtype not in _DTYPE_CODES or not supported:
+    if torch.device(device).type != "cpu" or dtype not in VEC_DTYPE_CODES or not supported:
         return None
     lib = load_kernel_library("decode_attention")
     if lib is None:
         return None
     fn = lib.decode_attention
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    dtype_code = _DTYPE_CODES[dtype]
+    dtype_code = VEC_DTYPE_CODES[dtype]
 
     def decode_attention(
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
