@@ -54,7 +54,7 @@ def _placed_slices(log: ParsedLog) -> list[tuple[StageSlice, int]]:
     """Every stage slice with its lane (tid) on its stage's track."""
     placed: list[tuple[StageSlice, int]] = []
     for rank in log.pp_ranks:
-        mine = [s for s in log.slices if s.pp_rank == rank]
+        mine = log.stage_slices(rank)
         lanes = assign_lanes([(s.start_us, s.end_us) for s in mine])
         placed += zip(mine, lanes)
     return placed

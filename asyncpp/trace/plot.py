@@ -39,7 +39,7 @@ def render_summary_png(log: ParsedLog, stats: PipelineStats | None, path: str | 
     )
     cmap = plt.get_cmap("tab10")
     for row, rank in enumerate(ranks):
-        mine = [s for s in log.slices if s.pp_rank == rank]
+        mine = log.stage_slices(rank)
         ranges = [((s.start_us - stats.span_start_us) / 1e3, s.duration_us / 1e3) for s in mine]
         ax_time.broken_barh(ranges, (row - 0.4, 0.8), facecolors=[cmap(s.step_id % 10) for s in mine], linewidth=0)
     ax_time.set_xlim(0, max(stats.span_us / 1e3, 1e-3))

@@ -81,6 +81,10 @@ class ParsedLog:
     def pp_ranks(self) -> list[int]:
         return sorted({s.pp_rank for s in self.slices})
 
+    def stage_slices(self, pp_rank: int) -> list[StageSlice]:
+        """One stage's slices, in log order."""
+        return [s for s in self.slices if s.pp_rank == pp_rank]
+
     @property
     def step_ids(self) -> set[int]:
         return {s.step_id for s in self.slices} | {c.step_id for c in self.completed}

@@ -55,7 +55,7 @@ def pipeline_stats(log: ParsedLog) -> PipelineStats | None:
     span = span_end - span_start
     stages = []
     for rank in log.pp_ranks:
-        mine = [s for s in log.slices if s.pp_rank == rank]
+        mine = log.stage_slices(rank)
         busy = union_length([(s.start_us, s.end_us) for s in mine])
         stages.append(
             StageStats(

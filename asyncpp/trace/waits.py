@@ -54,7 +54,7 @@ class PhaseBalance:
 def stage_waits(log: ParsedLog) -> list[StageWaits]:
     """Per stage, its gaps charged to the cause that was ready last (see the module doc)."""
     ranks = log.pp_ranks
-    by_rank = {r: sorted((s for s in log.slices if s.pp_rank == r), key=lambda s: s.start_us) for r in ranks}
+    by_rank = {r: sorted(log.stage_slices(r), key=lambda s: s.start_us) for r in ranks}
     end_of = {r: {s.step_id: s.end_us for s in by_rank[r]} for r in ranks}
     dispatched = {d.step_id: d for d in log.dispatched}
     result = []
@@ -91,11 +91,11 @@ def phase_balance(log: ParsedLog) -> PhaseBalance | None:
     ranks = log.pp_ranks
     if len(ranks) < 2:
         return None
-    first = {s.step_id: s for s in log.slices if s.pp_rank == ranks[0]}
+    first = {s.step_id: s for s in log.stage_slices(ranks[0])}
     decode, prompt = [], []
-    for s in log.slices:
+    for s in log.stage_slices(ranks[-1]):
         head = first.get(s.step_id)
-        if s.pp_rank != ranks[-1] or head is None or head.duration_us <= 0 or head.num_reqs <= 0:
+        if head is None or head.duration_us <= 0 or head.num_reqs <= 0:
             continue
         ratio = s.duration_us / head.duration_us
         if head.num_tokens == head.num_reqs:
