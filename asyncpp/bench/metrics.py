@@ -156,3 +156,30 @@ def ratio_rows(subject: str, subject_metrics: dict, reference: str, reference_me
         }
         for key, name, higher in RATIO_METRICS
     ]
+
+
+def summarize_ratios(rows: Sequence[dict]) -> list[dict]:
+    """Ratio rows of several repetitions -> one row per (subject, reference, metric): median, min, max.
+
+    Rows name their run's variant in `subject_variant` / `reference_variant`
+    (the label without the repetition); a ratio that could not be taken (None)
+    is left out of its group.
+    """
+    groups: dict[tuple[str, str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["subject_variant"], row["reference_variant"], row["metric"]), []).append(row)
+    summary = []
+    for (subject, reference, metric), group in groups.items():
+        values = [r["ratio"] for r in group if r["ratio"] is not None]
+        summary.append({
+            "subject": subject,
+            "reference": reference,
+            "metric": metric,
+            "name": group[0]["name"],
+            "higher_is_better": group[0]["higher_is_better"],
+            "ratios": [r["ratio"] for r in group],
+            "median": percentile(values, 50),
+            "min": min(values, default=None),
+            "max": max(values, default=None),
+        })
+    return summary

@@ -10,8 +10,11 @@ overrides, warms it up, sends the same requests through `AsyncClient` and
 shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
 noisy, so every figure is read against the baseline run (`--baseline`,
 default the first) measured in the same invocation: the ratio lines say
-"baseline METRIC = R x other run". `--compare transformers` adds the same
-requests through `transformers` generate (static batches, best batch size).
+"baseline METRIC = R x other run". `--repeat N` runs the whole list N times,
+interleaved (A B A B ...), so that a slow spell of the machine hits every run
+alike; ratios are then taken within each repetition and summarised as their
+median and range. `--compare transformers` adds the same requests through
+`transformers` generate (static batches, best batch size).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
 from asyncpp.bench.load import LoadResult, run_load
 from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
-from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics
+from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
 from asyncpp.profiling import profiled
 from asyncpp.progress import Progress
@@ -57,6 +60,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", default=DEFAULT_CONFIG, help="base deployment TOML (default: %(default)s)")
     ap.add_argument("--runs", help='engine variants, e.g. "pp=2,threads=1;pp=1,threads=1" (keys: pp, threads, section.key)')
     ap.add_argument("--baseline", default="1", help="run every other run is compared with: label or 1-based index")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the list this many times, interleaved; ratios per repetition, then median (min-max)")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (default: no limit)")
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
@@ -74,8 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--result-json", help="write every figure, the arguments and the machine to this file")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for an engine to start")
     args = ap.parse_args(argv)
-    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
-        ap.error("--num-prompts and --max-concurrency must be >= 1")
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1) or args.repeat < 1:
+        ap.error("--num-prompts, --max-concurrency and --repeat must be >= 1")
     return args
 
 
@@ -204,13 +209,14 @@ def compare_transformers(args, runs: list[dict], baseline: dict, requests) -> di
     return {"batch_sizes": by_size, "best": best, "ratios": ratios}
 
 
-def pick_baseline(runs: list[dict], key: str) -> dict:
-    if key.isdigit() and 1 <= int(key) <= len(runs):
-        return runs[int(key) - 1]
-    for run in runs:
-        if run["label"] == key:
-            return run
-    raise ValueError(f"--baseline {key!r} names no run (runs: {[r['label'] for r in runs]})")
+def pick_baseline(specs: list[RunSpec], key: str) -> int:
+    """Index of the run every other is compared with: a 1-based index or a label."""
+    if key.isdigit() and 1 <= int(key) <= len(specs):
+        return int(key) - 1
+    for i, spec in enumerate(specs):
+        if spec.label == key:
+            return i
+    raise ValueError(f"--baseline {key!r} names no run (runs: {[s.label for s in specs]})")
 
 
 def machine_info() -> dict[str, Any]:
@@ -227,24 +233,42 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def repetition_ratios(repetition: list[dict], base: int) -> list[dict]:
+    """Ratio rows of one repetition: its baseline run against each of its other runs."""
+    baseline = repetition[base]
+    rows = []
+    for run in repetition:
+        if run is baseline:
+            continue
+        for row in ratio_rows(baseline["label"], baseline["metrics"], run["label"], run["metrics"]):
+            rows.append(row | {"repeat": run["repeat"], "subject_variant": baseline["variant"],
+                               "reference_variant": run["variant"]})
+    return rows
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     specs = parse_runs(args.runs)
+    base = pick_baseline(specs, args.baseline)  # before any engine starts: a bad --baseline costs nothing
     requests, warmup = make_requests(args)
     result: dict[str, Any] = {"args": _plain(vars(args)), "machine": machine_info(), "num_requests": len(requests)}
-    runs = []
+    repetitions: list[list[dict]] = []
     with tempfile.TemporaryDirectory(prefix="asyncpp-bench-") as tmp:
-        for i, spec in enumerate(specs):
-            run = bench_run(spec, args, requests, warmup, Path(tmp) / f"run{i}.toml")
-            print(report.run_block(run), flush=True)
-            runs.append(run)
-    baseline = pick_baseline(runs, args.baseline)
-    result |= {"runs": runs, "baseline": baseline["label"]}
-    result["ratios"] = [
-        row for run in runs if run is not baseline
-        for row in ratio_rows(baseline["label"], baseline["metrics"], run["label"], run["metrics"])
-    ]
+        for rep in range(1, args.repeat + 1):
+            repetition = []
+            for i, spec in enumerate(specs):
+                labelled = RunSpec(f"{spec.label} #{rep}", spec.overrides) if args.repeat > 1 else spec
+                run = bench_run(labelled, args, requests, warmup, Path(tmp) / f"run{rep}-{i}.toml")
+                run |= {"variant": spec.label, "repeat": rep}
+                print(report.run_block(run), flush=True)
+                repetition.append(run)
+            repetitions.append(repetition)
+    runs = [run for repetition in repetitions for run in repetition]
+    result |= {"runs": runs, "baseline": specs[base].label}
+    result["ratios"] = [row for repetition in repetitions for row in repetition_ratios(repetition, base)]
+    if args.repeat > 1:
+        result["ratio_summary"] = summarize_ratios(result["ratios"])
     if args.compare == "transformers":
-        result["transformers"] = compare_transformers(args, runs, baseline, requests)
+        result["transformers"] = compare_transformers(args, runs, repetitions[0][base], requests)
         result["ratios"] += result["transformers"]["ratios"]
     return result
 

@@ -16,6 +16,7 @@ from asyncpp.bench.metrics import (
     percentile,
     ratio_rows,
     serving_metrics,
+    summarize_ratios,
 )
 
 
@@ -85,6 +86,20 @@ def test_ratio_rows_divide_subject_by_reference():
     assert by_key["output_throughput"]["ratio"] == pytest.approx(1.5)
     assert by_key["mean_ttft_ms"]["ratio"] is None  # no division by zero
     assert by_key["request_throughput"]["ratio"] is None  # missing on both sides
+
+
+def test_summarize_ratios_groups_repetitions_by_variant_and_metric():
+    def row(repeat, metric, value):
+        return {"subject": f"a #{repeat}", "reference": f"b #{repeat}", "subject_variant": "a", "reference_variant": "b",
+                "metric": metric, "name": metric, "higher_is_better": True, "ratio": value, "repeat": repeat}
+
+    rows = [row(1, "x", 1.8), row(1, "y", None), row(2, "x", 1.5), row(2, "y", 2.0), row(3, "x", 1.6), row(3, "y", None)]
+    by_metric = {s["metric"]: s for s in summarize_ratios(rows)}
+    assert by_metric["x"]["ratios"] == [1.8, 1.5, 1.6]
+    assert (by_metric["x"]["median"], by_metric["x"]["min"], by_metric["x"]["max"]) == (1.6, 1.5, 1.8)
+    assert (by_metric["x"]["subject"], by_metric["x"]["reference"]) == ("a", "b")
+    assert by_metric["y"]["median"] == by_metric["y"]["min"] == by_metric["y"]["max"] == 2.0  # None left out
+    assert summarize_ratios([row(1, "z", None)])[0]["median"] is None
 
 
 def test_poisson_arrivals_and_all_at_once():

@@ -101,6 +101,45 @@ def test_ratios_come_from_the_numbers_in_the_file(result):
         assert row["ratio"] == pytest.approx(expected)
 
 
+def test_repeat_interleaves_runs_and_summarises_ratios_per_repetition(tiny_toml, tmp_path, capsys):
+    out = tmp_path / "result.json"
+    argv = [
+        "--config", str(tiny_toml), "--num-prompts", "4", "--max-concurrency", "4", "--random-input-len", "8",
+        "--random-output-len", "4", "--runs", "pp=1;pp=2", "--repeat", "2", "--result-json", str(out),
+    ]
+    assert serve.main(argv) == 0
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [r["label"] for r in runs] == ["pp=1 #1", "pp=2 #1", "pp=1 #2", "pp=2 #2"]
+    assert [(r["variant"], r["repeat"]) for r in runs] == [("pp=1", 1), ("pp=2", 1), ("pp=1", 2), ("pp=2", 2)]
+    assert result["baseline"] == "pp=1"
+    metrics = {r["label"]: r["metrics"] for r in runs}
+    rows = result["ratios"]
+    assert len(rows) == 2 * len(RATIO_METRICS)
+    for row in rows:  # each ratio within one repetition
+        assert (row["subject"], row["reference"]) == (f"pp=1 #{row['repeat']}", f"pp=2 #{row['repeat']}")
+        assert row["ratio"] == pytest.approx(metrics[row["subject"]][row["metric"]] / metrics[row["reference"]][row["metric"]])
+    summary = {row["metric"]: row for row in result["ratio_summary"]}
+    assert len(summary) == len(RATIO_METRICS)
+    tput = summary["output_throughput"]
+    per_rep = [r["ratio"] for r in rows if r["metric"] == "output_throughput"]
+    assert (tput["subject"], tput["reference"], tput["ratios"]) == ("pp=1", "pp=2", per_rep)
+    assert tput["median"] == pytest.approx(sum(per_rep) / 2)
+    assert (tput["min"], tput["max"]) == (min(per_rep), max(per_rep))
+    assert "Over 2 repetitions" in capsys.readouterr().out
+
+
+def test_unknown_baseline_fails_before_any_engine_starts(tiny_toml, capsys):
+    argv = [
+        "--config", str(tiny_toml), "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "2",
+        "--runs", "pp=1;pp=2", "--baseline", "pp=3",
+    ]
+    assert serve.main(argv) == 1
+    captured = capsys.readouterr()
+    assert "--baseline 'pp=3' names no run" in captured.err
+    assert "Serving benchmark" not in captured.out  # no run was measured
+
+
 def test_engines_are_gone(result):
     for run in result["runs"]:
         engine = run["engine"]
