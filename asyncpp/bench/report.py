@@ -99,12 +99,11 @@ def ratio_lines(result: dict[str, Any]) -> str:
     for r in result["ratios"]:
         better = "higher is better" if r["higher_is_better"] else "lower is better"
         out.append(f"{r['subject']} {r['name']} = {fmt(r['ratio'])}x {r['reference']}  ({better})")
-    summary = result.get("ratio_summary")
-    if summary:
+    if result.get("ratio_summary"):
         out.append(f" Over {result['args']['repeat']} repetitions: median (min - max) ".center(WIDTH, "-"))
-    for r in summary or []:
-        spread = f"{fmt(r['median'])}x ({fmt(r['min'])} - {fmt(r['max'])})"
-        out.append(f"{r['subject']} {r['name']} = {spread} {r['reference']}")
+        for r in result["ratio_summary"]:
+            spread = f"{fmt(r['median'])}x ({fmt(r['min'])} - {fmt(r['max'])})"
+            out.append(f"{r['subject']} {r['name']} = {spread} {r['reference']}")
     return "\n".join(out)
 
 
