@@ -45,20 +45,33 @@ def pp2_ceiling(costs: dict[int, StepCost], concurrency: int) -> float | None:
 
 
 def measure(engine: Engine, batch_size: int, num_steps: int, seed: int = 0) -> StepCost:
-    """Median decode step time with `batch_size` requests running (prefills excluded)."""
-    params = SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True)
+    """Median decode step time with `batch_size` requests running (prefills excluded).
+
+    The requests may generate far more tokens than are timed, so none finishes while other
+    prompts are still being prefilled (many steps with a large batch and a small token
+    budget); they are aborted once the timed steps are done.
+    """
+    params = SamplingParams(max_tokens=engine.capacity.max_model_len // 2, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in synthetic_prompts(batch_size, 8, 16, seed)]
     while any(engine.scheduler.get_request(i).num_output_tokens == 0 for i in ids):  # prompts done
         engine.step()
     times = []
     for _ in range(num_steps):
+        num_before = _num_output_tokens(engine, ids)
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    while engine.has_unfinished_requests():
-        engine.step()
+        num_decoded = _num_output_tokens(engine, ids) - num_before
+        if num_decoded != batch_size:
+            raise RuntimeError(f"a timed step decoded {num_decoded} of {batch_size} requests (KV cache too small?)")
+    for request_id in ids:
+        engine.abort(request_id)
     times.sort()
     return StepCost(batch_size, times[len(times) // 2] * 1e3)
+
+
+def _num_output_tokens(engine: Engine, request_ids: list[str]) -> int:
+    return sum(engine.scheduler.get_request(i).num_output_tokens for i in request_ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     base = load_config(args.config)
     config = base.replace(
         parallel={"pp_size": 1, "layer_split": (), "num_threads": 1},
-        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(max(sizes), 512)},
-        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024)},
+        # Room to prefill the largest batch in a few steps and to hold its KV (4 MiB per request).
+        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(4 * max(sizes), 512)},
+        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024, 4 * max(sizes))},
     )
     engine = Engine(config)
     measure(engine, min(sizes), 3)  # warm-up

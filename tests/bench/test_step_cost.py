@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from asyncpp.bench.step_cost import StepCost, main, pp2_ceiling
+from asyncpp.bench.step_cost import StepCost, main, measure, pp2_ceiling
+from asyncpp.config import load_config
+from asyncpp.engine.engine import Engine
 
 TINY_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-pp3.toml"
 
@@ -26,3 +28,17 @@ def test_step_cost_runs_on_the_tiny_model(tmp_path, capsys):
     assert result["pp2_ceiling"]["2"] is None
     assert result["pp2_ceiling"]["4"] == result["step_ms"]["4"] / result["step_ms"]["2"]
     assert "pp=2 ceiling" in capsys.readouterr().out
+
+
+def test_measure_times_full_batches_when_the_prompts_take_more_steps_than_are_timed():
+    # A 16-token budget spreads 8 prompts over many more steps than the 2 timed ones: no request may
+    # finish before the timed steps (the 512-request run used to lose some and crash), and every
+    # timed step must decode the whole batch.
+    config = load_config(TINY_CONFIG).replace(
+        parallel={"pp_size": 1, "layer_split": ()}, scheduler={"max_num_batched_tokens": 16, "max_num_seqs": 8}
+    )
+    engine = Engine(config)
+    cost = measure(engine, 8, 2)
+    assert cost.batch_size == 8 and cost.step_ms > 0
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.capacity.num_blocks  # the aborted requests' KV is freed
