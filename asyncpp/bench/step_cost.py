@@ -53,25 +53,22 @@ def measure(engine: Engine, batch_size: int, num_steps: int, seed: int = 0) -> S
     """
     params = SamplingParams(max_tokens=engine.capacity.max_model_len // 2, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(prompt, params) for prompt in synthetic_prompts(batch_size, 8, 16, seed)]
-    while any(engine.scheduler.get_request(i).num_output_tokens == 0 for i in ids):  # prompts done
+    requests = [engine.scheduler.get_request(i) for i in ids]  # live: the scheduler updates them
+    while any(r.num_output_tokens == 0 for r in requests):  # prompts done
         engine.step()
     times = []
     for _ in range(num_steps):
-        num_before = _num_output_tokens(engine, ids)
+        num_before = sum(r.num_output_tokens for r in requests)
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-        num_decoded = _num_output_tokens(engine, ids) - num_before
+        num_decoded = sum(r.num_output_tokens for r in requests) - num_before
         if num_decoded != batch_size:
             raise RuntimeError(f"a timed step decoded {num_decoded} of {batch_size} requests (KV cache too small?)")
     for request_id in ids:
         engine.abort(request_id)
     times.sort()
     return StepCost(batch_size, times[len(times) // 2] * 1e3)
-
-
-def _num_output_tokens(engine: Engine, request_ids: list[str]) -> int:
-    return sum(engine.scheduler.get_request(i).num_output_tokens for i in request_ids)
 
 
 def main(argv: list[str] | None = None) -> int:
