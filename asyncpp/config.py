@@ -125,6 +125,43 @@ class ServerConfig:
     grace_period_s: float = 5.0
 
 
+_KV_STORES = ("shm", "dir")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """The KV connector (`asyncpp.kv_transfer`). The name is checked against the registry at start-up."""
+
+    connector: str = "none"  # none | offload | multi | a name registered by `module`
+    # offload: where every stage keeps its layers of saved blocks; "shm" (shared memory, gone
+    # with the engine) or "dir" (files under store_path, kept across restarts).
+    store: str = "shm"
+    store_path: str = ""
+    store_size_mb: int = 1024  # per stage; LRU eviction beyond it
+    module: str = ""  # imported first, in the engine and every stage: registers out-of-tree connectors
+    options: dict[str, Any] = field(default_factory=dict)  # the connector's own settings
+    children: tuple["KVTransferConfig", ...] = ()  # multi: the connectors it composes, in load order
+
+    def __post_init__(self) -> None:
+        if not self.connector:
+            raise ConfigError("kv_transfer.connector must be a connector name ('none' for none)")
+        if self.store not in _KV_STORES:
+            raise ConfigError(f"kv_transfer.store must be one of {_KV_STORES}, got {self.store!r}")
+        if self.store_size_mb < 1:
+            raise ConfigError(f"kv_transfer.store_size_mb must be >= 1, got {self.store_size_mb}")
+        if self.store == "dir" and not self.store_path:
+            raise ConfigError("kv_transfer.store_path must name a directory when kv_transfer.store is 'dir'")
+        if self.connector == "multi" and not self.children:
+            raise ConfigError("kv_transfer.children must list at least one connector when kv_transfer.connector is 'multi'")
+        for child in self.children:
+            if child.connector == "multi" or child.children:
+                raise ConfigError("kv_transfer.children: a multi-connector cannot contain another one")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.connector != "none"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -132,6 +169,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         if (
@@ -191,6 +229,10 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"config key {key} must be a list, got {type(value).__name__}")
         return tuple(_coerce(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {key} must be a table, got {type(value).__name__}")
+        return dict(value)
     if origin in (typing.Union, types.UnionType):
         raise ConfigError(f"config key {key}: union types are not supported")  # pragma: no cover
     if hint is float and isinstance(value, int) and not isinstance(value, bool):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import signal
 import sys
 import time
@@ -20,8 +21,10 @@ import torch
 import uvloop
 
 from asyncpp.client import AsyncClient
-from asyncpp.config import EngineConfig, load_config
-from asyncpp.engine.engine import EngineCapacity, EngineCore, resolve_capacity
+from asyncpp.config import ConfigError, EngineConfig, load_config
+from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
+from asyncpp.kv_transfer.base import ConnectorContext
+from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
@@ -49,7 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: RunAddresses, ns) -> list[StageArgs]:
+def stage_args_for(
+    config: EngineConfig,
+    capacity: EngineCapacity,
+    addresses: RunAddresses,
+    ns,
+    kv_connector: ConnectorContext | None = None,
+) -> list[StageArgs]:
     pp_size = len(capacity.layer_ranges)
     return [
         StageArgs(
@@ -71,6 +80,8 @@ def stage_args_for(config: EngineConfig, capacity: EngineCapacity, addresses: Ru
             async_scheduling=config.scheduler.async_scheduling,
             transport="shm",
             addresses=addresses,
+            kv_connector=kv_connector,
+            kv_connector_module=config.kv_transfer.module,
             log_format=ns.log_format,
             log_level=ns.log_level,
             log_file=ns.log_file,
@@ -90,8 +101,16 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch)
     addresses = RunAddresses.create()
-    stages = StageGroup(stage_args_for(config, capacity, addresses, ns), addresses)
     server = None
+    kv_connector = None
+    try:
+        # Before any stage starts: a bad connector name or store fails here, naming its key.
+        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, addresses.run_id)
+        kv_connector = create_scheduler_connector(kv_ctx, config.kv_transfer.module)
+    except Exception:
+        shutil.rmtree(addresses.run_dir, ignore_errors=True)
+        raise
+    stages = StageGroup(stage_args_for(config, capacity, addresses, ns, kv_ctx), addresses)
     try:
         stages.start()
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
@@ -100,7 +119,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         num_blocks = config.cache.num_kv_blocks_override or min(r.num_kv_blocks for r in readies)
         capacity = EngineCapacity(num_blocks, capacity.block_size, capacity.max_model_len, capacity.layer_ranges)
         await stages.start_stages(num_blocks)
-        core = EngineCore(config, arch, tokenizer, capacity)
+        core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port
         router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
         server = EngineServer(
@@ -119,6 +138,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             async_scheduling=server.async_scheduling,
             layer_ranges=capacity.layer_ranges,
             num_kv_blocks=num_blocks,
+            kv_connector=config.kv_transfer.connector,
             startup_s=round(time.monotonic() - t0, 2),
         )
         loop = asyncio.get_running_loop()
@@ -139,6 +159,8 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         if server is not None:
             server.router.close()
         await stages.shutdown()
+        if kv_connector is not None:
+            kv_connector.close()  # after the stages: it removes what a killed stage left behind
         log.info("engine_stopped")
 
 
@@ -167,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return uvloop.run(run(config, ns))
+    try:
+        return uvloop.run(run(config, ns))
+    except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

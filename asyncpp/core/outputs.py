@@ -29,3 +29,6 @@ class SchedulerStats:
     num_preemptions: int  # total since start
     num_prefix_cache_queries_tokens: int  # total since start
     num_prefix_cache_hit_tokens: int  # total since start
+    num_waiting_for_remote_kvs: int = 0  # requests whose KV a connector is loading
+    num_external_prefix_hit_tokens: int = 0  # total since start: loaded by the KV connector
+    num_failed_load_tokens: int = 0  # total since start: the connector failed to load them; recomputed

@@ -1,6 +1,8 @@
 """`StepPlan`: one scheduled step, the only thing the runner needs to run it.
 
-The same plan goes to every pipeline stage. It is a fresh immutable batch:
+The same plan goes to every pipeline stage, with the KV connector's
+metadata for the step. A plan may schedule no request at all: it then only
+carries connector metadata (or polls the connector). It is a fresh immutable batch:
 the runner keeps per-request sampling state (keyed by request id) and nothing
 else across steps, so a plan names every token and block it touches.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncpp.kv_transfer.metadata import KVConnectorMetadata
 from asyncpp.sampling.params import SamplingParams
 
 # Stands for a token that the plan named by `StepPlan.after_step_id` samples (async scheduling).
@@ -47,6 +50,10 @@ class StepPlan:
     # Placeholder tokens are the ones this earlier plan samples for the same requests; the
     # first stage waits for them. None: every token is known.
     after_step_id: int | None = None
+    # Requests preempted while building this plan: their blocks may be reused by it, so each
+    # stage lets their KV transfers finish before running it.
+    preempted_req_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: KVConnectorMetadata | None = None  # None: no connector
 
     @property
     def num_tokens(self) -> int:

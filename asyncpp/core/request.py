@@ -22,6 +22,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its KV blocks freed (recompute)
+    # Its blocks are allocated and a KV connector is loading part of its prefix into them on
+    # every stage; not scheduled until every stage has reported the load.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -56,6 +59,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hits at first schedule
+    num_external_tokens: int = 0  # tokens a KV connector supplied (loaded) at first schedule
     num_preemptions: int = 0
     num_in_flight: int = 0  # dispatched plans holding it whose output is not back
     last_step_id: int = -1  # the plan it was last scheduled in

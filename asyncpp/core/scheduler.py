@@ -33,6 +33,22 @@ Contract
   adding `new_requests` (an id may reappear as a new request). Preempted
   requests keep their runner state and are re-sent in `new_requests`.
 
+KV connector (optional; see `asyncpp.kv_transfer.base`)
+* A waiting request's prefix beyond the engine's own cache hits may come
+  from the connector. Loaded asynchronously, its blocks are allocated at
+  once and the request waits in `WAITING_FOR_REMOTE_KVS` until the merged
+  output (every stage) reports the load; then it queues again by arrival
+  order with those tokens computed, less any from the first block that failed
+  to load (recomputed, never used).
+* Every plan carries the connector's metadata. A plan with no request is
+  returned only when asked (`allow_empty`): the engine sends one to start
+  transfers or to poll them while nothing else runs (`has_pending_transfers`).
+* A finished request keeps its blocks while the connector still moves them
+  (`request_finished` says so, or its load is in flight) until every stage
+  has reported the transfer; its id stays taken until then.
+* A request preempted while building a plan is named in its
+  `preempted_req_ids`: stages finish its transfers before reusing its blocks.
+
 Priority is arrival order (order of `add_request`), everywhere:
 * Running requests are served oldest first; waiting ones are admitted FCFS,
   and a preempted request re-enters the waiting queue ahead of every request
@@ -67,6 +83,8 @@ from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
 from asyncpp.core.stop import check_stop
 from asyncpp.kv.block_manager import BlockManager
+from asyncpp.kv_transfer.base import KVConnectorScheduler, PlanInfo
+from asyncpp.kv_transfer.metadata import KVConnectorOutput
 
 
 @dataclass
@@ -94,6 +112,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -129,6 +148,14 @@ class Scheduler:
         self._finished_req_ids: list[str] = []  # for the next plan
         self._next_step_id = 0
         self._num_preemptions = 0
+        self.connector = connector
+        self._waiting_for_remote: dict[str, Request] = {}  # loads in flight
+        self._load_block_ids: dict[str, list[int]] = {}  # the blocks each load in flight fills
+        self._invalid_block_ids: set[int] = set()  # reported by some stage, until their load completes
+        self._held: dict[str, Request] = {}  # finished, blocks kept until every stage reported the send
+        self._preempted_req_ids: list[str] = []  # for the next plan
+        self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
+        self.num_failed_load_tokens = 0  # promised by the connector, failed to load, recomputed
 
     # ------------------------------------------------------------------ queries
     @property
@@ -148,7 +175,23 @@ class Scheduler:
         return self._block_manager.usage
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._queues.running or self._queues.waiting)
+        return bool(self._queues.running or self._queues.waiting or self._waiting_for_remote)
+
+    @property
+    def num_waiting_for_remote_kvs(self) -> int:
+        return len(self._waiting_for_remote)
+
+    @property
+    def num_held_for_transfer(self) -> int:
+        return len(self._held)
+
+    def has_pending_transfers(self) -> bool:
+        """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
+        return bool(
+            self._waiting_for_remote
+            or self._held
+            or (self.connector is not None and self.connector.has_unsent_metadata())
+        )
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)
@@ -163,6 +206,9 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prefix_cache_queries_tokens=bm.num_prefix_cache_queries_tokens,
             num_prefix_cache_hit_tokens=bm.num_prefix_cache_hit_tokens,
+            num_waiting_for_remote_kvs=len(self._waiting_for_remote),
+            num_external_prefix_hit_tokens=self.num_external_hit_tokens,
+            num_failed_load_tokens=self.num_failed_load_tokens,
         )
 
     # ------------------------------------------------------------------ requests
@@ -203,6 +249,7 @@ class Scheduler:
         max_num_reqs: int | None = None,
         after_step_id: int | None = None,
         max_num_prefill_tokens: int | None = None,
+        allow_empty: bool = False,
     ) -> StepPlan | None:
         """The next plan: idle requests, and with `after_step_id` also that in-flight plan's requests.
 
@@ -215,6 +262,8 @@ class Scheduler:
         continue its prompt in any plan (no token to wait for).
         `max_num_prefill_tokens` caps the prompt tokens of the plan (chunked
         prefill only), so prompts can be spread evenly over the cohorts' plans.
+        With `allow_empty`, a plan comes back even with no request in it (it
+        carries the KV connector's metadata, or just polls the stages).
         """
         num_prefill_budget = self.max_num_batched_tokens
         if max_num_prefill_tokens is not None and self.enable_chunked_prefill:
@@ -251,7 +300,7 @@ class Scheduler:
                 i += 1
         if not is_blocked:
             self._admit_waiting(step)
-        if not step.scheduled:
+        if not step.scheduled and not allow_empty:
             return None
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -259,14 +308,27 @@ class Scheduler:
             new_requests=step.new_requests,
             finished_req_ids=self._finished_req_ids,
             after_step_id=after_step_id if step.has_placeholders else None,
+            preempted_req_ids=self._preempted_req_ids,
+            kv_connector_metadata=self._build_connector_meta(step) if self.connector is not None else None,
         )
         self._finished_req_ids = []
+        self._preempted_req_ids = []
         self._in_flight[plan.step_id] = step.cohort
         self._next_step_id += 1
         return plan
 
-    def update_from_output(self, plan: StepPlan, sampled_token_ids: dict[str, list[int]]) -> list[RequestUpdate]:
-        """Apply one returned plan's sampled tokens; returns an update per request that got tokens or finished."""
+    def update_from_output(
+        self,
+        plan: StepPlan,
+        sampled_token_ids: dict[str, list[int]],
+        kv_connector_output: KVConnectorOutput | None = None,
+    ) -> list[RequestUpdate]:
+        """Apply one returned plan's sampled tokens and the KV connector's output merged over every stage.
+
+        Returns an update per request that got tokens or finished.
+        """
+        if kv_connector_output is not None and self.connector is not None:
+            self._update_from_connector(kv_connector_output)
         cohort = self._in_flight.get(plan.step_id)
         if cohort is None:
             raise ValueError(f"step {plan.step_id} is not in flight (unknown, or its output was already applied)")
@@ -279,7 +341,7 @@ class Scheduler:
         for scheduled, request in zip(plan.scheduled, cohort):
             request.num_in_flight -= 1
             if request.is_finished:  # finished while in flight: its output is dropped
-                if not request.is_in_flight:
+                if not request.is_in_flight and not self._holds_blocks(request):
                     self._forget(request)
                 continue
             if not scheduled.do_sample:  # a prompt chunk: nothing to report
@@ -362,7 +424,13 @@ class Scheduler:
                 break  # a first allocation always needs a free block; skip the lookup (and its stats)
             request = queues.waiting[0]
             token_ids = request.all_token_ids
-            hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
+            has_blocks = self._block_manager.has_blocks(request.request_id)  # back from a KV load
+            if has_blocks:
+                hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
+            else:
+                hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
+                if self.connector is not None and self._start_load(request, token_ids, hit_block_ids, num_hit_tokens):
+                    continue  # it left the queue to wait for its KV; the next one may go
             num_new_tokens = len(token_ids) - num_hit_tokens
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 break
@@ -374,8 +442,10 @@ class Scheduler:
                 break  # FCFS: nobody behind it may take the blocks it waits for
             step.num_prefill_budget -= num_new_tokens
             queues.admit_front()
-            if request.status is RequestStatus.WAITING:  # first admission, not a return from preemption
+            if request.status is RequestStatus.WAITING and not has_blocks:  # first admission
                 request.num_cached_tokens = num_hit_tokens
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(request, block_ids, 0)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             step.new_requests.append(
@@ -388,6 +458,86 @@ class Scheduler:
             )
             self._runner_known_ids.add(request.request_id)
             self._add_to_step(step, request, num_new_tokens)
+
+    # ------------------------------------------------------------------ KV connector
+    def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool:
+        """Ask the connector for more of the prefix; True if the request now waits for an async load."""
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if num_external <= 0:
+            return False
+        if not load_async:
+            raise NotImplementedError(
+                f"KV connector {type(self.connector).__name__} offered a synchronous load; "
+                "only asynchronous loads are supported"
+            )
+        if num_hit_tokens + num_external >= len(token_ids) or num_external % self._block_manager.block_size:
+            raise ValueError(
+                f"KV connector offered {num_external} tokens after {num_hit_tokens} of {len(token_ids)}: "
+                "it must offer whole blocks and leave at least one token to compute"
+            )
+        block_ids = self._block_manager.allocate_for_load(
+            request.request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
+        )
+        if block_ids is None:
+            return False  # no room to load into: compute it instead (or wait for blocks like anyone)
+        self._queues.waiting.popleft()
+        block_size = self._block_manager.block_size
+        self._load_block_ids[request.request_id] = block_ids[num_hit_tokens // block_size :]
+        self._waiting_for_remote[request.request_id] = request
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+            request.num_external_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        return True
+
+    def _build_connector_meta(self, step: _StepBuilder):
+        bm = self._block_manager
+        scheduled = [(r, s.start_position, s.num_tokens) for r, s in zip(step.cohort, step.scheduled)]
+        return self.connector.build_connector_meta(
+            PlanInfo(
+                step_id=self._next_step_id,
+                scheduled=scheduled,
+                block_ids={s.request_id: s.block_ids for s in step.scheduled},
+                block_hashes={s.request_id: bm.block_hashes(s.request_id) for s in step.scheduled},
+            )
+        )
+
+    def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        self._invalid_block_ids |= output.invalid_block_ids
+        self.connector.update_connector_output(output)
+        for request_id in sorted(output.finished_recving):
+            self._finish_load(request_id)
+        for request_id in sorted(output.finished_sending):
+            request = self._held.pop(request_id, None)
+            if request is not None:
+                self._block_manager.free(request_id)
+                if not request.is_in_flight:
+                    self._forget(request)
+
+    def _finish_load(self, request_id: str) -> None:
+        """Every stage loaded (or failed to load) the request's blocks: it may be scheduled again."""
+        request = self._waiting_for_remote.pop(request_id, None)
+        if request is None:
+            return
+        load_block_ids = self._load_block_ids.pop(request_id)
+        num_loaded = next((i for i, b in enumerate(load_block_ids) if b in self._invalid_block_ids), len(load_block_ids))
+        self._invalid_block_ids.difference_update(load_block_ids)
+        if request.is_finished:  # aborted while loading: nobody writes its blocks any more
+            self._block_manager.free(request_id)
+            if not request.is_in_flight:
+                self._forget(request)
+            return
+        block_size = self._block_manager.block_size
+        num_loaded_tokens = num_loaded * block_size
+        self.num_external_hit_tokens += num_loaded_tokens
+        self.num_failed_load_tokens += (len(load_block_ids) - num_loaded) * block_size
+        if num_loaded < len(load_block_ids):
+            request.num_external_tokens = num_loaded_tokens  # the rest is recomputed
+        request.num_computed_tokens += num_loaded_tokens
+        request.status = RequestStatus.WAITING
+        self._queues.requeue(request)
 
     def _add_to_step(
         self, step: _StepBuilder, request: Request, num_new_tokens: int, num_placeholders: int = 0
@@ -420,20 +570,36 @@ class Scheduler:
         assert not request.is_in_flight, "an in-flight request's KV is being written"
         self._block_manager.free(request.request_id)
         self._queues.requeue(request)
+        self._preempted_req_ids.append(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self._num_preemptions += 1
 
     def _release(self, request: Request) -> None:
-        """Take a request that just got a finished status out of the queues and free its blocks."""
+        """Take a request that just got a finished status out of the queues and free its blocks.
+
+        Blocks a KV transfer still reads or writes are freed once every stage has reported it.
+        """
         self._queues.remove(request)
-        self._block_manager.free(request.request_id)
+        is_loading = request.request_id in self._waiting_for_remote
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self._block_manager.block_ids(request.request_id)
+            delay_free, _ = self.connector.request_finished(request, block_ids)
+        # Only a stage that knows the request can report its send: one never scheduled is freed now.
+        if delay_free and not is_loading and request.request_id in self._runner_known_ids:
+            self._held[request.request_id] = request
+        elif not is_loading:
+            self._block_manager.free(request.request_id)
         if request.request_id in self._runner_known_ids:
             self._runner_known_ids.discard(request.request_id)
             self._finished_req_ids.append(request.request_id)
-        if not request.is_in_flight:
+        if not request.is_in_flight and not self._holds_blocks(request):
             self._forget(request)
+
+    def _holds_blocks(self, request: Request) -> bool:
+        return request.request_id in self._held or request.request_id in self._waiting_for_remote
 
     def _forget(self, request: Request) -> None:
         if self._requests.get(request.request_id) is request:

@@ -10,8 +10,10 @@ processes instead of the in-process executor.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -25,6 +27,10 @@ from asyncpp.engine.output_processor import OutputProcessor
 from asyncpp.engine.outputs import Completion, RequestOutput
 from asyncpp.errors import InvalidRequestError
 from asyncpp.kv.block_manager import BlockManager
+from asyncpp.kv_transfer.aggregator import KVOutputAggregator
+from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
+from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
+from asyncpp.kv_transfer.registry import connector_context, create_scheduler_connector, create_worker_connector
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers
@@ -33,6 +39,9 @@ from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
+
+
+_RUN_IDS = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -62,10 +71,37 @@ def resolve_capacity(config: EngineConfig, arch: ModelArch) -> EngineCapacity:
     return EngineCapacity(num_blocks, config.cache.block_size, config.model.max_model_len, ranges)
 
 
-class EngineCore:
-    """Scheduler + request state + detokenization; no model. Shared by both runtimes."""
+def kv_connector_context(config: EngineConfig, arch: ModelArch, layer_ranges, run_id: str) -> ConnectorContext | None:
+    """The KV connector's plain values (None without one); fails naming the key on a bad connector name."""
+    model_id = f"{config.model.source}:{Path(config.model.path).resolve() if config.model.path else 'default'}"
+    return connector_context(
+        config.kv_transfer,
+        layer_ranges=layer_ranges,
+        block_size=config.cache.block_size,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype=config.model.dtype,
+        model_id=model_id,
+        run_id=run_id,
+    )
 
-    def __init__(self, config: EngineConfig, arch: ModelArch, tokenizer: Any, capacity: EngineCapacity) -> None:
+
+class EngineCore:
+    """Scheduler + request state + detokenization; no model. Shared by both runtimes.
+
+    With a KV connector, its scheduler side lives here, and every step's
+    stage outputs are merged (`KVOutputAggregator`) before the scheduler
+    sees them.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        arch: ModelArch,
+        tokenizer: Any,
+        capacity: EngineCapacity,
+        kv_connector: KVConnectorScheduler | None = None,
+    ) -> None:
         self.config = config
         self.arch = arch
         self.tokenizer = tokenizer
@@ -80,7 +116,12 @@ class EngineCore:
             max_model_len=capacity.max_model_len,
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             async_scheduling=config.scheduler.async_scheduling,
+            connector=kv_connector,
         )
+        self.kv_connector = kv_connector
+        expected = kv_connector.get_finished_count() if kv_connector is not None else None
+        self.kv_aggregator = KVOutputAggregator(expected or len(capacity.layer_ranges))
+        self.kv_transfer_stats = KVTransferStats()
         self.input_processor = InputProcessor(tokenizer, arch.vocab_size, capacity.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
@@ -119,9 +160,23 @@ class EngineCore:
             self.log.info(event, request_id=request_id, error=error)
         return out
 
-    def process_output(self, plan: Any, output: ModelRunnerOutput) -> list[RequestOutput]:
+    def merge_kv_outputs(self, outputs: list[ModelRunnerOutput]) -> KVConnectorOutput | None:
+        """Every stage's connector report of one step, merged (None without a connector)."""
+        if self.kv_connector is None:
+            return None
+        merged = self.kv_aggregator.aggregate(o.kv_connector_output for o in outputs)
+        self.kv_transfer_stats = self.kv_transfer_stats + merged.stats
+        return merged
+
+    def process_failed_step(self, plan: Any, outputs: list[ModelRunnerOutput]) -> None:
+        """A step some stage failed: roll its requests back (the caller fails them); keep the transfer reports."""
+        self.scheduler.update_from_output(plan, {}, self.merge_kv_outputs(outputs))
+
+    def process_output(self, plan: Any, outputs: list[ModelRunnerOutput]) -> list[RequestOutput]:
+        """One step's outputs, one per stage (the last stage's holds the sampled tokens)."""
+        output = outputs[-1]
         logprobs = dict(zip(output.req_ids, output.logprobs, strict=True))
-        updates = self.scheduler.update_from_output(plan, output.sampled_by_request())
+        updates = self.scheduler.update_from_output(plan, output.sampled_by_request(), self.merge_kv_outputs(outputs))
         results = []
         for update in updates:
             out = self.output_processor.process(
@@ -141,18 +196,41 @@ class EngineCore:
         return results
 
 
+    def kv_stats(self) -> dict[str, Any]:
+        """KV connector counters for `stats()`: transfers summed over stages, the connector's own."""
+        if self.kv_connector is None:
+            return {}
+        t = self.kv_transfer_stats
+        return {
+            "kv_connector": self.config.kv_transfer.connector,
+            "kv_blocks_loaded": t.num_blocks_loaded,
+            "kv_blocks_saved": t.num_blocks_saved,
+            "kv_bytes_loaded": t.num_bytes_loaded,
+            "kv_bytes_saved": t.num_bytes_saved,
+            "kv_load_time_s": t.load_time_s,
+            "kv_save_time_s": t.save_time_s,
+            "num_held_for_transfer": self.scheduler.num_held_for_transfer,
+            **self.kv_connector.stats(),
+        }
+
+
 class Engine(EngineCore):
     """The in-process engine: every stage runs in this process."""
+
+    # While only KV transfers are pending, poll the stages this often (they move the bytes on threads).
+    POLL_INTERVAL_S = 0.001
 
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         arch = read_arch(config.model.source, config.model.path_or_none)
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
         capacity = resolve_capacity(config, arch)
-        super().__init__(config, arch, tokenizer, capacity)
+        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, run_id=f"{os.getpid()}-{next(_RUN_IDS)}")
+        kv_module = config.kv_transfer.module
+        super().__init__(config, arch, tokenizer, capacity, create_scheduler_connector(kv_ctx, kv_module))
         dtype = torch_dtype(config.model.dtype)
         runners = []
-        for start, end in capacity.layer_ranges:
+        for rank, (start, end) in enumerate(capacity.layer_ranges):
             model = build_model_slice(
                 config.model.source,
                 config.model.path_or_none,
@@ -171,6 +249,7 @@ class Engine(EngineCore):
                     max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                     dtype=dtype,
                     device=config.model.device,
+                    kv_connector=create_worker_connector(kv_ctx, rank, kv_module),
                 )
             )
         self.executor = InProcessExecutor(runners)
@@ -179,13 +258,21 @@ class Engine(EngineCore):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_transfers(self) -> bool:
+        return self.scheduler.has_pending_transfers() or self.kv_aggregator.num_pending() > 0
+
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        if plan is None and self.has_pending_transfers():
+            # Nothing to compute, but KV transfers to start or to poll.
+            if self.kv_connector is None or not self.kv_connector.has_unsent_metadata():
+                time.sleep(self.POLL_INTERVAL_S)
+            plan = self.scheduler.schedule(allow_empty=True)
         if plan is None:
             return []
         t0 = time.perf_counter()
-        output = self.executor.execute(plan)
-        results = self.process_output(plan, output)
+        outputs = self.executor.execute(plan)
+        results = self.process_output(plan, outputs)
         self.log.debug(
             "step_completed",
             step_id=plan.step_id,
@@ -212,8 +299,15 @@ class Engine(EngineCore):
                 self.abort(rid)
             raise
         completions = {rid: Completion(rid) for rid in ids}
-        while self.has_unfinished_requests():
+        # Until the KV connector is done too: saves of these requests are then in the store.
+        while self.has_unfinished_requests() or self.has_pending_transfers():
             for out in self.step():
                 if out.request_id in completions:
                     completions[out.request_id].add(out)
         return [completions[rid] for rid in ids]
+
+    def close(self) -> None:
+        """Stop the KV connectors' transfer threads and release their stores."""
+        self.executor.close()
+        if self.kv_connector is not None:
+            self.kv_connector.close()

@@ -1,8 +1,10 @@
 """`InProcessExecutor`: runs every stage of a plan in this process, in order.
 
 Same two-phase contract as the pipeline runtime: each stage's
-`execute_model`, the hand-off of `IntermediateTensors` to the next, then
-`sample_tokens` on the last stage.
+`execute_model`, the hand-off of `IntermediateTensors` to the next (a
+non-last stage then ends its step with `finish_step`), then `sample_tokens`
+on the last stage. Returns every stage's output, as the engine expects one
+per stage per step (their KV connector reports are merged across stages).
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ class InProcessExecutor:
             raise ValueError("the last runner must hold the model's last layers")
         self.runners = runners
 
-    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+    def execute(self, plan: StepPlan) -> list[ModelRunnerOutput]:
+        """One output per stage, the last stage's (the sampled tokens) last."""
+        outputs = []
         intermediate = None
-        for runner in self.runners:
+        for runner in self.runners[:-1]:
             intermediate = runner.execute_model(plan, intermediate)
-        return self.runners[-1].sample_tokens()
+            outputs.append(runner.finish_step())
+        self.runners[-1].execute_model(plan, intermediate)
+        outputs.append(self.runners[-1].sample_tokens())
+        return outputs
+
+    def close(self) -> None:
+        for runner in self.runners:
+            runner.kv_connector.close()

@@ -86,6 +86,13 @@ class BlockManager:
         """A copy of the request's block table ([] for a request holding none)."""
         return list(self._block_tables.get(request_id, ()))
 
+    def has_blocks(self, request_id: str) -> bool:
+        return request_id in self._block_tables
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """Hashes of the request's full blocks whose tokens are known and whose KV is (being) computed."""
+        return list(self._request_block_hashes.get(request_id, ()))
+
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest cached run of full leading blocks: (block_ids, num_computed_tokens).
 
@@ -173,6 +180,30 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(request_id, table, token_ids, min(num_total_tokens, len(token_ids)))
         return list(table)
+
+    def allocate_for_load(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_computed_tokens: int,
+        computed_block_ids: list[int],
+        num_external_tokens: int,
+    ) -> list[int] | None:
+        """First allocation of a request whose next `num_external_tokens` a KV connector loads.
+
+        Those blocks are not registered in the prefix cache: their KV arrives
+        asynchronously, so another request must not hit them before it is
+        there. They are registered by the first `allocate_slots` after the
+        load, like any block whose tokens became known.
+        """
+        return self.allocate_slots(
+            request_id,
+            token_ids[:num_computed_tokens],
+            num_external_tokens,
+            num_computed_tokens,
+            computed_block_ids,
+            num_lookahead_tokens=num_external_tokens,
+        )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (no-op for an unknown id). Cached ones stay hit-able until evicted."""

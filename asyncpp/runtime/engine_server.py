@@ -17,6 +17,11 @@ Four tasks share one loop and never block it:
   and complete a step only when every stage has reported it: update the
   scheduler, dispatch the next plans, then send each client one
   `RequestDeltas` frame with all of its deltas of the step;
+* KV transfers: with a connector, stages report transfers in every step's
+  output (merged over stages by `EngineCore`); when nothing else runs but
+  transfers are pending, the engine still sends plans with no requests, at
+  once to start new transfers and every `POLL_INTERVAL_S` to collect
+  finished ones, so they complete while the engine is otherwise idle;
 * watchdog: sleeps until a stage process exits, then fails every request with
   an engine-dead error.
 Every CPU-millisecond spent here is taken from the stages when there are as
@@ -60,6 +65,8 @@ from asyncpp.wire.stage_msgs import StageOutput
 
 # Smaller prompt chunks than this cost more in per-step overhead than they gain in balance.
 MIN_PREFILL_SHARE_TOKENS = 16
+# While only KV transfers are pending, the stages are polled this often (their threads move the bytes).
+POLL_INTERVAL_S = 0.001
 
 
 @dataclass
@@ -97,6 +104,8 @@ class EngineServer:
         self.log = get_logger(role="engine", pp_rank=None)
         self._wake = asyncio.Event()
         self._dispatch_lock = asyncio.Lock()
+        self._next_poll_at = 0.0
+        self._poll_timer: asyncio.TimerHandle | None = None
         self._is_debug = is_debug_enabled(self.log)  # per-step debug events cost even when filtered out
         self._stop = asyncio.Event()
         self.is_dead = False
@@ -257,7 +266,7 @@ class EngineServer:
         stage's plans in step order when both call at once.
         """
         async with self._dispatch_lock:
-            while not self.is_dead and (plan := self._schedule_next()) is not None:
+            while not self.is_dead and (plan := self._schedule_next() or self._schedule_poll()) is not None:
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
                 await self.stages.broadcast(plan)
@@ -299,6 +308,29 @@ class EngineServer:
                     cohort.append(plan.step_id)
                     return plan
         return None
+
+    def _schedule_poll(self) -> StepPlan | None:
+        """A plan with no requests, when nothing is in flight but KV transfers are pending.
+
+        New transfers go out at once; finished ones are collected every
+        `POLL_INTERVAL_S` (a timer wakes the schedule loop), not in a busy loop
+        that would take the cores the transfers run on.
+        """
+        scheduler = self.core.scheduler
+        if self.in_flight or not scheduler.has_pending_transfers():
+            return None
+        connector = self.core.kv_connector
+        now = time.monotonic()
+        if not (connector is not None and connector.has_unsent_metadata()) and now < self._next_poll_at:
+            if self._poll_timer is None:
+                self._poll_timer = asyncio.get_running_loop().call_later(self._next_poll_at - now, self._poll_due)
+            return None
+        self._next_poll_at = now + POLL_INTERVAL_S
+        return scheduler.schedule(allow_empty=True)
+
+    def _poll_due(self) -> None:
+        self._poll_timer = None
+        self._wake.set()
 
     def _cohort_size(self) -> int:
         # Spread the live requests over the cohorts (disjoint), so every stage has work.
@@ -350,7 +382,7 @@ class EngineServer:
         errors = [o.error for o in step.outputs.values() if o.error]
         if errors:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
-            self.core.scheduler.update_from_output(step.plan, {})
+            self.core.process_failed_step(step.plan, self._stage_outputs(step))
             self._log_completed(step)
             for r in step.plan.scheduled:
                 await self._fail(r.request_id, errors[0], "internal")
@@ -358,10 +390,13 @@ class EngineServer:
         else:
             # The scheduler is up to date once this returns, stop strings included (they finish
             # requests during detokenization), so the next plans can leave before the deltas.
-            results = self.core.process_output(step.plan, step.outputs[self.pp_size - 1].output)
+            results = self.core.process_output(step.plan, self._stage_outputs(step))
             self._log_completed(step)  # before the next dispatch: the log shows the true window
             await self._dispatch()
             await self._deliver(results)
+
+    def _stage_outputs(self, step: _InFlightStep) -> list:
+        return [step.outputs[rank].output for rank in range(self.pp_size)]
 
     def _log_completed(self, step: _InFlightStep) -> None:
         if self._is_debug:
@@ -408,6 +443,7 @@ class EngineServer:
             "is_dead": self.is_dead,
             "stage_pids": [p.pid for p in self.stages.procs],
             "run_id": self.stages.addresses.run_id,
+            **self.core.kv_stats(),
         }
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.kv_transfer.base import ConnectorContext
+from asyncpp.kv_transfer.registry import create_worker_connector
 from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
@@ -58,6 +60,8 @@ class StageArgs:
     num_ring_slots: int
     transport: str
     addresses: RunAddresses
+    kv_connector: ConnectorContext | None = None  # None: no KV connector
+    kv_connector_module: str = ""  # imported before the connector is looked up (out-of-tree connectors)
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
     async_scheduling: bool = False  # pass sampled tokens from the last stage to the first
     log_format: str = "console"
@@ -177,6 +181,7 @@ class Stage:
             max_num_batched_tokens=a.max_num_batched_tokens,
             dtype=torch_dtype(a.dtype),
             device=a.device,
+            kv_connector=create_worker_connector(a.kv_connector, a.pp_rank, a.kv_connector_module),
         )
         if start.send_ring is not None:
             self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
@@ -208,12 +213,12 @@ class Stage:
                 # The slice ends when the activations are in place; the notice releases the next stage.
                 t_written = time.time()
                 self.acts_out.put(notice)
-                output = ModelRunnerOutput.with_kv_conn_output_only(None)
+                output = self.runner.finish_step()
         except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
             error = f"stage {self.args.pp_rank}: {type(e).__name__}: {e}"
             self.log.error("step_failed", step_id=plan.step_id, error=error)
             if self.runner is not None:
-                self.runner.execute_state = None
+                output = self._abort_step(output)
             if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
             if self.tokens_out is not None and not output.req_ids:  # nor may the first stage wait forever
@@ -232,6 +237,16 @@ class Stage:
             )
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
+    def _abort_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Close a failed step: the connector still reports (its transfers go on), nothing is saved."""
+        if self.runner.execute_state is None:  # it failed after sample_tokens / finish_step
+            return output
+        try:
+            return self.runner.abort_step()
+        except Exception as e:  # noqa: BLE001 - the step's error is reported already
+            self.log.error("kv_connector_failed", error=repr(e))
+            return output
+
     def _take_sampled_tokens(self, until_step_id: int | None) -> None:
         """Record what has arrived; block until the tokens of `until_step_id` are in."""
         target = -1 if until_step_id is None else until_step_id
@@ -241,6 +256,8 @@ class Stage:
             self.last_tokens_step_id = msg.step_id
 
     def close(self) -> None:
+        if self.runner is not None:
+            self.runner.kv_connector.close()
         for closable in (self.sender, self.receiver):
             if closable is not None:
                 closable.close()

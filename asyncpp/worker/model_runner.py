@@ -4,8 +4,16 @@
    and run the slice. A non-last stage returns the `IntermediateTensors` to
    hand to the next stage. The last stage computes logits for the requests
    that sample and keeps them in an explicit `ExecuteModelState`.
-2. `sample_tokens()` (last stage only): sample from that state and return
-   the step's `ModelRunnerOutput`.
+2. `sample_tokens()` (last stage only): sample from that state, run the
+   speculative proposer hook, then the KV connector's `post_forward`, and
+   return the step's `ModelRunnerOutput`. A non-last stage ends its step with
+   `finish_step()` instead (after handing off its activations), which returns
+   `ModelRunnerOutput.with_kv_conn_output_only(...)`.
+
+Every step binds the plan's KV connector metadata before the forward
+(`pre_forward`, which also starts loads), empty steps included, and clears
+it in `post_forward`; a failed step ends with `abort_step()`, which still
+collects the connector's reports but saves nothing.
 
 The runner keeps per-request sampling state (seeded generators, token history
 for penalties) keyed by request id; everything else comes from the plan. The
@@ -16,6 +24,7 @@ plan scheduled before that token was known (async scheduling).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +34,7 @@ from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
+from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
 from asyncpp.worker.step_inputs import StepInputBuffers
 
@@ -36,7 +46,8 @@ class ExecuteModelState:
     step_id: int
     sampling_req_ids: list[str]
     logits: torch.Tensor | None  # [num_sampling_reqs, vocab_size]; None when nothing samples
-    finished_req_ids: frozenset[str]
+    finished_req_ids: frozenset[str]  # for the KV connector's post_forward (never its output)
+    has_forward: bool = True  # False for a plan with no tokens: the connector is only polled
 
 
 class ModelRunner:
@@ -49,6 +60,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str = "cpu",
         use_decode_kernel: bool = True,
+        kv_connector: KVConnectorWrapper | None = None,
     ) -> None:
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
@@ -66,6 +78,8 @@ class ModelRunner:
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
         self.execute_state: ExecuteModelState | None = None
+        self.kv_connector = kv_connector or KVConnectorWrapper()
+        self.kv_connector.register_kv_caches(kv_caches, model.start_layer)
 
     @property
     def is_last(self) -> bool:
@@ -79,9 +93,9 @@ class ModelRunner:
             raise RuntimeError(f"execute_model(step {plan.step_id}) before sample_tokens of step {self.execute_state.step_id}")
         self._update_states(plan)
         finished = frozenset(plan.finished_req_ids)
+        self.execute_state = ExecuteModelState(plan.step_id, [], None, finished, has_forward=not plan.is_empty)
+        self.kv_connector.pre_forward(plan)
         if plan.is_empty:
-            if self.is_last:
-                self.execute_state = ExecuteModelState(plan.step_id, [], None, finished)
             return None
         inputs = self.buffers.prepare(plan, self.sampled_token_ids if self.model.is_first else None)
         if not self.model.is_first:
@@ -108,11 +122,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
+        """Last stage: sample -> proposer -> the connector's post_forward (in that order, seed 003)."""
         state, self.execute_state = self.execute_state, None
-        if state is None:
+        if state is None or not self.is_last:
             raise RuntimeError("sample_tokens() without a preceding execute_model() on the last stage")
-        if state.logits is None:
-            return ModelRunnerOutput()
+        output = self._sample(state) if state.logits is not None else None
+        self.propose_drafts(state, output)
+        kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
+        if output is None:
+            return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+        return dataclasses.replace(output, kv_connector_output=kv_output) if kv_output is not None else output
+
+    def finish_step(self) -> ModelRunnerOutput:
+        """Non-last stage, after its activations are handed off: the connector's reports only."""
+        state, self.execute_state = self.execute_state, None
+        if state is None or self.is_last:
+            raise RuntimeError("finish_step() without a preceding execute_model() on a non-last stage")
+        kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
+        return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+
+    def abort_step(self) -> ModelRunnerOutput:
+        """A step that failed on this stage: drop its state; report transfers, save nothing it wrote."""
+        state, self.execute_state = self.execute_state, None
+        finished = state.finished_req_ids if state is not None else frozenset()
+        kv_output = self.kv_connector.post_forward(finished, wait_for_save=False)
+        return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
+
+    def propose_drafts(self, state: ExecuteModelState, output: ModelRunnerOutput | None) -> None:
+        """Speculative decoding's proposer runs here, after sampling and before the connector (none yet)."""
+
+    def _sample(self, state: ExecuteModelState) -> ModelRunnerOutput:
         req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
         out = self.sampler(state.logits, req_states)
         token_ids = out.sampled_token_ids.tolist()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from asyncpp.kv_transfer.metadata import KVConnectorOutput
+
 
 @dataclass(frozen=True)
 class Logprobs:
@@ -18,18 +20,6 @@ class Logprobs:
     token_logprob: float
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class KVConnectorOutput:
-    """Requests whose async KV transfers finished on this stage during the step."""
-
-    finished_sending: frozenset[str] = frozenset()
-    finished_recving: frozenset[str] = frozenset()
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.finished_sending and not self.finished_recving
 
 
 @dataclass(frozen=True)

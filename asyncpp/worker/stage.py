@@ -20,6 +20,8 @@ from asyncpp.model.llama import LlamaModel
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.weights import load_weights
 from asyncpp.worker.kv_cache import allocate_kv_caches
+from asyncpp.kv_transfer.base import KVConnectorWorker
+from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.model_runner import ModelRunner
 
 def build_model_slice(
@@ -81,10 +83,16 @@ def build_runner(
     max_num_batched_tokens: int,
     dtype: torch.dtype,
     device: str,
+    kv_connector: KVConnectorWorker | None = None,
 ) -> ModelRunner:
     kv_caches = allocate_kv_caches(
         model.num_layers, num_blocks, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device
     )
     return ModelRunner(
-        model, kv_caches, max_num_batched_tokens=max_num_batched_tokens, block_size=block_size, device=device
+        model,
+        kv_caches,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        device=device,
+        kv_connector=KVConnectorWrapper(kv_connector),
     )

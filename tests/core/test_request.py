@@ -22,4 +22,4 @@ def test_only_finished_statuses_are_finished():
         RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
     }
-    assert [s.finish_reason for s in RequestStatus] == [None, None, None, "stop", "length", "abort", "error"]
+    assert [s.finish_reason for s in RequestStatus] == [None, None, None, None, "stop", "length", "abort", "error"]

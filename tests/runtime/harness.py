@@ -25,7 +25,7 @@ def tiny_sections(model_dir: Path | str, pp_size: int = 1, layer_split: tuple[in
         "server": {"host": "127.0.0.1", "port": 0, "grace_period_s": 2.0},
     }
     for section, values in overrides.items():
-        sections[section].update(values)
+        sections.setdefault(section, {}).update(values)
     return sections
 
 

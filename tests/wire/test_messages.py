@@ -9,6 +9,7 @@ import msgpack
 import pytest
 
 from asyncpp.core.plan import NewRequestData, ScheduledRequest, StepPlan
+from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.transport.base import ActivationNotice, RingSpec
 from asyncpp.wire.client_msgs import (
@@ -110,6 +111,25 @@ MESSAGES = [
     RequestDeltas.of([]),
     ErrorReply(None, "malformed frame", "bad_frame"),
     ErrorReply("r9", "temperature must be >= 0", "invalid_request", "sampling_params"),
+    # KV connector metadata travels in the plan; every stage's report in its output.
+    StepPlan(
+        step_id=43,
+        scheduled=[ScheduledRequest("a", [5], 3, [3, 9], True)],
+        preempted_req_ids=["q"],
+        kv_connector_metadata=KVConnectorMetadata(
+            loads=[BlockTransfer("c", [4, 8], [b"\x01" * 32, b"\x02" * 32], [0, 5])],
+            saves=[BlockTransfer("a", [3], [b"\x03" * 32], [7], connector_index=1)],
+            send_holders={"z": [0, 1]},
+        ),
+    ),
+    StepPlan(step_id=44, scheduled=[], kv_connector_metadata=KVConnectorMetadata()),
+    StageOutput(
+        9,
+        2,
+        ModelRunnerOutput.with_kv_conn_output_only(
+            KVConnectorOutput(frozenset({"a"}), frozenset(), frozenset({3, 9}), KVTransferStats(1, 2, 100, 200, 0.5, 0.25))
+        ),
+    ),
 ]
 
 

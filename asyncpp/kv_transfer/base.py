@@ -1,0 +1,179 @@
+"""The KV connector API, in two halves, shaped like vLLM's `KVConnectorBase_V1`.
+
+Scheduler side (`KVConnectorScheduler`, one in the engine process):
+* `get_num_new_matched_tokens(request, num_computed_tokens)` when a waiting
+  request is admitted, after the engine's own prefix cache gave
+  `num_computed_tokens`: how many more tokens the connector can supply, and
+  whether they load asynchronously (the request then waits in
+  `WAITING_FOR_REMOTE_KVS` until every stage has loaded them).
+* `update_state_after_alloc(request, block_ids, num_external_tokens)` once
+  the blocks for those tokens are allocated.
+* `build_connector_meta(plan_info)` once per dispatched plan: the
+  `KVConnectorMetadata` every stage gets with that plan.
+* `update_connector_output(output)` with the output merged over every stage.
+* `request_finished(request, block_ids) -> (delay_free_blocks, kv_transfer_params)`:
+  with `delay_free_blocks` the engine keeps the blocks until every stage has
+  reported the request in `finished_sending`.
+* `get_finished_count()`: how many reports finish a request (None: one per stage).
+
+Worker side (`KVConnectorWorker`, one in every stage, over that stage's layers):
+`register_kv_caches`, `bind_connector_metadata` / `clear_connector_metadata`,
+`start_load_kv` (before the forward), `save_kv` (after this stage's forward),
+`wait_for_save`, `get_finished(finished_req_ids) -> (finished_sending,
+finished_recving)`, `get_block_ids_with_load_errors`, `handle_preemptions`,
+`get_stats`. The stage calls them only through `KVConnectorWrapper`, which
+fixes their order (seed 003: `post_forward` after sampling and the proposer).
+
+A connector is chosen by name (`kv_transfer.registry`); both halves are built
+from a `ConnectorContext` of plain values, never the whole config.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
+
+if TYPE_CHECKING:
+    from asyncpp.core.request import Request
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """Plain values both halves are built from; `extra` holds the connector's own settings."""
+
+    name: str
+    pp_size: int
+    layer_ranges: tuple[tuple[int, int], ...]  # [start, end) of every stage
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    model_id: str  # names the weights (source and path): a store written for another model is a miss
+    run_id: str  # unique per engine run (names shared-memory segments)
+    store: str = "shm"
+    store_path: str = ""
+    store_size_mb: int = 0
+    connector_index: int = 0  # position among a multi-connector's children
+    extra: dict[str, Any] = field(default_factory=dict)  # the connector's own settings (`kv_transfer.options`)
+    children: tuple["ConnectorContext", ...] = ()  # multi-connector: its children's contexts
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    """What `build_connector_meta` sees of a plan: the requests scheduled and the tokens each computes."""
+
+    step_id: int
+    # (request, first position, number of tokens) per scheduled request; positions past
+    # `request.num_tokens` are placeholders (async scheduling).
+    scheduled: list[tuple["Request", int, int]]
+    block_ids: dict[str, list[int]]  # request id -> its whole block table
+    block_hashes: dict[str, list[bytes]]  # request id -> hashes of its full blocks whose tokens are known
+
+
+class KVConnectorScheduler(ABC):
+    """Engine side. Methods are called from the engine's event loop only."""
+
+    def __init__(self, ctx: ConnectorContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens beyond `num_computed_tokens` the connector can supply, whether they load asynchronously)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        """Blocks for the request are allocated; `num_external_tokens` of them are the connector's to fill."""
+
+    @abstractmethod
+    def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
+        """This plan's transfers; what was not sent yet goes with the next plan."""
+
+    def has_unsent_metadata(self) -> bool:
+        """Transfers waiting for a plan to carry them (the engine then sends one even if idle)."""
+        return False
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The merged output of a step: every request in it has been reported by every stage."""
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """(keep the blocks until every stage reports `finished_sending`, params for a remote engine)."""
+        return False, None
+
+    def get_finished_count(self) -> int | None:
+        """Reports that finish a request; None: one from every pipeline stage."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+class KVConnectorWorker(ABC):
+    """Stage side. Called from the stage's step loop only (transfers may run on threads of its own)."""
+
+    def __init__(self, ctx: ConnectorContext, pp_rank: int) -> None:
+        self.ctx = ctx
+        self.pp_rank = pp_rank
+        self.start_layer, self.end_layer = ctx.layer_ranges[pp_rank]
+        self._metadata: KVConnectorMetadata | None = None
+
+    # ---- metadata -------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def metadata(self) -> KVConnectorMetadata:
+        if self._metadata is None:
+            raise RuntimeError("no connector metadata bound: only valid between pre_forward and post_forward")
+        return self._metadata
+
+    @property
+    def has_metadata(self) -> bool:
+        return self._metadata is not None
+
+    # ---- transfers ------------------------------------------------------------------------
+    @abstractmethod
+    def register_kv_caches(self, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This stage's paged cache: global layer index -> (K, V), each `[num_blocks * block_size, heads, dim]`."""
+
+    def start_load_kv(self, step_id: int) -> None:
+        """Start the bound loads (before the forward reads any of those blocks)."""
+
+    def save_kv(self, step_id: int) -> None:
+        """Start the bound saves: this stage's forward has written every block they name."""
+
+    def wait_for_save(self) -> None:
+        """Block until saves that must finish within the step are done (async connectors return at once)."""
+
+    def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
+        """Their blocks may be reused by this plan: finish whatever still reads them first."""
+
+    @abstractmethod
+    def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        """(requests done sending, requests done receiving) on this stage since the last call."""
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        """Blocks whose load failed since the last call (their tokens must be recomputed)."""
+        return frozenset()
+
+    def get_stats(self) -> KVTransferStats:
+        """Counters since the last call."""
+        return KVTransferStats()
+
+    def close(self) -> None:
+        pass
+
+
+def collect_output(worker: KVConnectorWorker, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
+    sending, recving = worker.get_finished(finished_req_ids)
+    return KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats())

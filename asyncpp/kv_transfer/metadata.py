@@ -1,0 +1,87 @@
+"""What the two halves of a KV connector tell each other: per-step metadata and per-stage outputs.
+
+`KVConnectorMetadata` is built by the scheduler side once per plan and
+travels inside the `StepPlan` to every stage (msgpack, like the rest of the
+plan): which blocks each stage loads into its cache and which it saves from
+it. It is flat on purpose: a multi-connector tags each transfer with the
+index of the child that owns it (`connector_index`) instead of nesting
+metadata, so one typed message serves every connector.
+
+`KVConnectorOutput` is what one stage reports after one step: the requests
+whose transfers finished on that stage (a request is finished only when every
+stage has reported it; see `kv_transfer.aggregator`), the blocks that failed
+to load, and transfer counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """One request's blocks to move this step, the same block ids on every stage."""
+
+    request_id: str
+    block_ids: list[int]  # engine block ids (the paged cache's)
+    block_hashes: list[bytes]  # prefix-chain hash of each block (`kv.block_hash`), the store's key
+    slots: list[int] = field(default_factory=list)  # where each block lives in the connector's store, if it has slots
+    connector_index: int = 0  # the child of a multi-connector that owns it (0 otherwise)
+
+
+@dataclass(frozen=True)
+class KVConnectorMetadata:
+    loads: list[BlockTransfer] = field(default_factory=list)  # external KV -> these blocks, before they are used
+    saves: list[BlockTransfer] = field(default_factory=list)  # these blocks -> external, after this step wrote them
+    # Multi-connector: request (finished since the last plan) -> the children keeping its blocks
+    # for a send; a stage reports it finished sending once each of those children has.
+    send_holders: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves and not self.send_holders
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """Counters of one stage over one step (summed by the engine over stages and steps)."""
+
+    num_blocks_loaded: int = 0
+    num_blocks_saved: int = 0
+    num_bytes_loaded: int = 0
+    num_bytes_saved: int = 0
+    load_time_s: float = 0.0  # time the transfer thread spent loading
+    save_time_s: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.num_blocks_loaded or self.num_blocks_saved or self.load_time_s or self.save_time_s)
+
+    def __add__(self, other: "KVTransferStats") -> "KVTransferStats":
+        return KVTransferStats(
+            self.num_blocks_loaded + other.num_blocks_loaded,
+            self.num_blocks_saved + other.num_blocks_saved,
+            self.num_bytes_loaded + other.num_bytes_loaded,
+            self.num_bytes_saved + other.num_bytes_saved,
+            self.load_time_s + other.load_time_s,
+            self.save_time_s + other.save_time_s,
+        )
+
+
+@dataclass(frozen=True)
+class KVConnectorOutput:
+    """Requests whose async KV transfers finished on this stage since its last report."""
+
+    finished_sending: frozenset[str] = frozenset()
+    finished_recving: frozenset[str] = frozenset()
+    invalid_block_ids: frozenset[int] = frozenset()  # blocks whose load failed: recompute them
+    stats: KVTransferStats = field(default_factory=KVTransferStats)
+
+    @property
+    def is_empty(self) -> bool:
+        return (
+            not self.finished_sending
+            and not self.finished_recving
+            and not self.invalid_block_ids
+            and self.stats.is_empty
+        )

@@ -1,0 +1,159 @@
+"""The `multi` connector: several connectors as one (`kv_transfer.children`, in load order).
+
+* Loads: the first child that offers tokens for a request loads them; the
+  others are told it has no external tokens.
+* Saves: every child builds its own saves; each transfer in the shared
+  metadata carries its child's index (`connector_index`) and every stage
+  hands each child only its own.
+* A finished request's blocks are kept while any child asks for that; the
+  plan that tells the stages it finished also names those children
+  (`send_holders`), and a stage reports it finished sending only once each
+  of them has (then, as always, the engine waits for every stage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler, KVConnectorWorker, PlanInfo
+from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
+from asyncpp.kv_transfer.registry import connector_classes, register_connector
+
+if TYPE_CHECKING:
+    from asyncpp.core.request import Request
+
+
+class MultiScheduler(KVConnectorScheduler):
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        self.children = [connector_classes(c.name)[0](c) for c in ctx.children]
+        self._loader_of: dict[str, int] = {}  # request id -> the child loading it
+        self._unsent_holders: dict[str, list[int]] = {}  # finished request -> children keeping its blocks
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        for index, child in enumerate(self.children):
+            num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if num_tokens > 0:
+                self._loader_of[request.request_id] = index
+                return num_tokens, load_async
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        loader = self._loader_of.get(request.request_id)
+        for index, child in enumerate(self.children):
+            child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
+
+    def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
+        loads, saves = [], []
+        for index, child in enumerate(self.children):
+            meta = child.build_connector_meta(plan)
+            loads += [dataclasses.replace(t, connector_index=index) for t in meta.loads]
+            saves += [dataclasses.replace(t, connector_index=index) for t in meta.saves]
+        holders, self._unsent_holders = self._unsent_holders, {}
+        return KVConnectorMetadata(loads, saves, holders)
+
+    def has_unsent_metadata(self) -> bool:
+        return any(child.has_unsent_metadata() for child in self.children)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in output.finished_recving:
+            self._loader_of.pop(request_id, None)
+        for child in self.children:  # each ignores the requests it does not know
+            child.update_connector_output(output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        holders, params = [], {}
+        for index, child in enumerate(self.children):
+            child_delay, child_params = child.request_finished(request, block_ids)
+            if child_delay:
+                holders.append(index)
+            if child_params:
+                params[str(index)] = child_params
+        if holders:
+            self._unsent_holders[request.request_id] = holders
+        return bool(holders), params or None
+
+    def stats(self) -> dict[str, Any]:
+        return {f"child{i}_{k}": v for i, child in enumerate(self.children) for k, v in child.stats().items()}
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
+class MultiWorker(KVConnectorWorker):
+    def __init__(self, ctx: ConnectorContext, pp_rank: int) -> None:
+        super().__init__(ctx, pp_rank)
+        self.children = [connector_classes(c.name)[1](c, pp_rank) for c in ctx.children]
+        self._owing_send: dict[str, set[int]] = {}  # finished request -> children keeping it, not reported yet
+
+    def register_kv_caches(self, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for child in self.children:
+            child.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        for index, child in enumerate(self.children):
+            child.bind_connector_metadata(
+                KVConnectorMetadata(
+                    [t for t in metadata.loads if t.connector_index == index],
+                    [t for t in metadata.saves if t.connector_index == index],
+                )
+            )
+        for request_id, holders in metadata.send_holders.items():
+            self._owing_send[request_id] = set(holders)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        for child in self.children:
+            child.clear_connector_metadata()
+
+    def start_load_kv(self, step_id: int) -> None:
+        for child in self.children:
+            child.start_load_kv(step_id)
+
+    def save_kv(self, step_id: int) -> None:
+        for child in self.children:
+            child.save_kv(step_id)
+
+    def wait_for_save(self) -> None:
+        for child in self.children:
+            child.wait_for_save()
+
+    def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
+        for child in self.children:
+            child.handle_preemptions(preempted_req_ids)
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        finished_sending, finished_recving = set(), set()
+        for index, child in enumerate(self.children):
+            sending, recving = child.get_finished(finished_req_ids)
+            finished_recving |= recving
+            for request_id in sending:
+                owing = self._owing_send.get(request_id)
+                if owing is None:
+                    continue  # not kept for this child (the engine never asked to wait for it)
+                owing.discard(index)
+                if not owing:
+                    del self._owing_send[request_id]
+                    finished_sending.add(request_id)
+        return frozenset(finished_sending), frozenset(finished_recving)
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        return frozenset().union(*(child.get_block_ids_with_load_errors() for child in self.children))
+
+    def get_stats(self) -> KVTransferStats:
+        total = KVTransferStats()
+        for child in self.children:
+            total = total + child.get_stats()
+        return total
+
+    def close(self) -> None:
+        for child in self.children:
+            child.close()
+
+
+register_connector("multi", MultiScheduler, MultiWorker)
