@@ -192,9 +192,12 @@ class Stage:
         if self.tokens_in is not None:
             self._take_sampled_tokens(plan.after_step_id)
         t0 = t_written = time.time()  # waiting for sampled tokens is not busy time
+        # A plan with no tokens moves no activations (only the KV connector is polled).
+        moves_activations = not plan.is_empty
+        is_handed_off = is_connector_done = False
         try:
             intermediate = None
-            if self.acts_in is not None:
+            if self.acts_in is not None and moves_activations:
                 notice = self.acts_in.get()
                 t0 = t_written = time.time()  # waiting for the previous stage is not busy time
                 if notice.step_id != plan.step_id:
@@ -203,23 +206,28 @@ class Stage:
             result = self.runner.execute_model(plan, intermediate)
             if self.args.is_last:
                 output = self.runner.sample_tokens()
+                is_connector_done = True
                 if self.tokens_out is not None:
                     latest = [ids[-1] for ids in output.sampled_token_ids]
                     self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest))
             else:
-                t_handoff = time.perf_counter()
-                notice = self.sender.write(plan.step_id, result)
-                handoff_us = (time.perf_counter() - t_handoff) * 1e6
-                # The slice ends when the activations are in place; the notice releases the next stage.
-                t_written = time.time()
-                self.acts_out.put(notice)
+                if moves_activations:
+                    t_handoff = time.perf_counter()
+                    notice = self.sender.write(plan.step_id, result)
+                    handoff_us = (time.perf_counter() - t_handoff) * 1e6
+                    # The slice ends when the activations are in place; the notice releases the next stage.
+                    t_written = time.time()
+                    self.acts_out.put(notice)
+                is_handed_off = True
                 output = self.runner.finish_step()
+                is_connector_done = True
         except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
             error = f"stage {self.args.pp_rank}: {type(e).__name__}: {e}"
             self.log.error("step_failed", step_id=plan.step_id, error=error)
-            if self.runner is not None:
-                output = self._abort_step(output)
-            if self.acts_out is not None:  # let the next stage fail this step too instead of waiting forever
+            if self.runner is not None and not is_connector_done:
+                output = self._abort_step(plan, output)
+            if self.acts_out is not None and moves_activations and not is_handed_off:
+                # Let the next stage fail this step too instead of waiting forever.
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
             if self.tokens_out is not None and not output.req_ids:  # nor may the first stage wait forever
                 self.tokens_out.put(SampledTokens(plan.step_id))
@@ -237,14 +245,15 @@ class Stage:
             )
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
-    def _abort_step(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Close a failed step: the connector still reports (its transfers go on), nothing is saved."""
-        if self.runner.execute_state is None:  # it failed after sample_tokens / finish_step
-            return output
+    def _abort_step(self, plan: StepPlan, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Close a failed step: the connector still runs its transfers and reports, nothing is saved."""
         try:
-            return self.runner.abort_step()
+            if self.runner.execute_state is not None:  # failed in or after the forward
+                return self.runner.abort_step()
+            # Failed before the forward: the plan's loads must still start, and finished ones be collected.
+            return ModelRunnerOutput.with_kv_conn_output_only(self.runner.kv_connector.no_forward(plan))
         except Exception as e:  # noqa: BLE001 - the step's error is reported already
-            self.log.error("kv_connector_failed", error=repr(e))
+            self.log.error("kv_connector_failed", step_id=plan.step_id, error=repr(e))
             return output
 
     def _take_sampled_tokens(self, until_step_id: int | None) -> None:

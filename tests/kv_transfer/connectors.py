@@ -105,8 +105,7 @@ class RecordingWorker(KVConnectorWorker):
         self.record("register_kv_caches", layers=self.layers)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(metadata)
-        self.record("bind", num_loads=len(metadata.loads))
+        super().bind_connector_metadata(metadata)  # recorded by start_load_kv, which learns the step id
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -117,7 +116,7 @@ class RecordingWorker(KVConnectorWorker):
 
     def start_load_kv(self, step_id: int) -> None:
         self.step_id = step_id
-        self.events[-1] = (self.events[-1][0], step_id, self.events[-1][2])  # bind came before the step id was known
+        self.record("bind", num_loads=len(self.metadata.loads))
         self.record("start_load_kv")
         for load in self.metadata.loads:
             self.loads[load.request_id] = [self.delay, list(load.block_ids)]
