@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any
 
 import structlog
 
@@ -26,7 +26,7 @@ def configure_logging(fmt: str = "console", level: str = "info", file: str | Non
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
-    stream: TextIO = open(file, "a", buffering=1) if file else sys.stderr  # noqa: SIM115 - lives with the process
+    stream: Any = open(file, "a", buffering=1) if file else _CurrentStderr()  # noqa: SIM115 - lives with the process
     is_json = fmt == "json" or file is not None
     renderer: Any = structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     # JSON lines carry integer wall-clock microseconds so `asyncpp.trace` can line processes up.
@@ -45,6 +45,23 @@ def configure_logging(fmt: str = "console", level: str = "info", file: str | Non
         cache_logger_on_first_use=False,
     )
     _configured = True
+
+
+class _CurrentStderr:
+    """Whatever `sys.stderr` is when an event is written, not when logging was configured.
+
+    Something may replace `sys.stderr` later (a test runner's capture, then closed); a
+    background thread's warning must not then fail on a closed stream.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
 
 
 def _add_wall_us(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
