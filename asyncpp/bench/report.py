@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncpp.bench.kv_report import kv_lines
+
 WIDTH = 60
 
 
@@ -40,6 +42,9 @@ def run_block(run: dict[str, Any]) -> str:
         lines.append(f" {title} ".center(WIDTH, "-"))
         for key in ("mean", "p50", "p99"):
             row(f"{key.capitalize() if key == 'mean' else key.upper()} {name.upper()} (ms):", fmt(m[f"{key}_{name}_ms"]))
+        if name == "ttft" and m.get("warm_ttft_ms"):
+            warm = m["warm_ttft_ms"]
+            row(f"P50 / P99 TTFT, prefix seen ({warm['count']}):", f"{fmt(warm['p50'], 1)} / {fmt(warm['p99'], 1)}")
     lines.append(" Pipeline stages (measured window) ".center(WIDTH, "-"))
     for rank, busy in enumerate(st["busy_fraction"]):
         row(f"Stage {rank} busy fraction:", fmt(busy, 3))
@@ -56,6 +61,9 @@ def run_block(run: dict[str, Any]) -> str:
     for kind, mc in run["memcpy"].items():
         label = f"memcpy {kind} {mc['num_tokens']} tok {mc['nbytes'] / 1024:.0f} KiB p50/p99 (us):"
         row(label, f"{fmt(mc['p50_us'], 1)} / {fmt(mc['p99_us'], 1)}")
+    if run.get("kv_transfer"):
+        lines.append(" KV connector (measured window) ".center(WIDTH, "-"))
+        lines += kv_lines(run["kv_transfer"])
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 
@@ -77,6 +85,11 @@ def summary_table(result: dict[str, Any]) -> str:
     add("duration s", [fmt(m["duration_s"]) for m in ms], fmt(best.get("duration_s")))
     for name in ("ttft", "tpot", "itl"):
         add(f"{name.upper()} mean/p50/p99 ms", [triple(m, name) for m in ms], "-")
+    if any(m.get("warm_ttft_ms") for m in ms):
+        warm = [m.get("warm_ttft_ms") or {} for m in ms]
+        add("TTFT p50/p99 ms, prefix seen", [f"{fmt(w.get('p50'), 1)} / {fmt(w.get('p99'), 1)}" for w in warm], "-")
+    if any(r.get("kv_transfer") for r in runs):
+        add("KV load / save GB/s", [_kv_rates(r.get("kv_transfer")) for r in runs], "-")
     add("stage busy fraction", ["/".join(fmt(b) for b in r["stages"]["busy_fraction"]) for r in runs], "-")
     add("hand-off p50/p99 us", [_handoff(r) for r in runs], "-")
     add("engine CPU %core / us/tok", [_cpu(r["cpu"]["engine"]) for r in runs], "-")
@@ -116,6 +129,12 @@ def _handoff(run: dict[str, Any]) -> str:
 
 def _cpu(figures: dict[str, Any]) -> str:
     return f"{fmt(figures['core_pct'], 1)} / {fmt(figures['cpu_us_per_output_token'], 0)}"
+
+
+def _kv_rates(kv: dict[str, Any] | None) -> str:
+    if not kv:
+        return "-"
+    return f"{fmt(kv['load_gbps'])} / {fmt(kv['save_gbps'])} (memcpy {fmt(kv['memcpy_gbps'])})"
 
 
 def _memcpy(run: dict[str, Any]) -> str:

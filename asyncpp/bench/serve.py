@@ -40,11 +40,12 @@ import uvloop
 import asyncpp
 from asyncpp.bench import report
 from asyncpp.bench.cpu import window_cpu
-from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
+from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests, shared_prefix_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
+from asyncpp.bench.kv_report import kv_section
 from asyncpp.bench.load import LoadResult, run_load
 from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
-from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
+from asyncpp.bench.metrics import busy_fractions, percentile, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
 from asyncpp.profiling import profiled
 from asyncpp.progress import Progress
@@ -68,6 +69,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-input-len", type=int, default=64, help="prompt length in words")
     ap.add_argument("--random-output-len", type=int, default=64, help="output length in tokens")
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from len*(1 -/+ ratio)")
+    ap.add_argument("--shared-prefix-len", type=int, default=0,
+                    help="words of a prefix shared by the prompts (0: none); the suffix is --random-input-len words")
+    ap.add_argument("--shared-prefix-groups", type=int, default=4,
+                    help="distinct shared prefixes, used round robin (request i gets prefix i %% groups)")
     ap.add_argument("--dataset", help='JSON lines with "prompt" and optional "output_len" (instead of random)')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -88,6 +93,11 @@ def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[Be
     """(measured requests, warm-up requests); warm-up prompts differ so they do not seed the prefix cache."""
     if args.dataset:
         requests = load_dataset(args.dataset, args.num_prompts, args.random_output_len)
+    elif args.shared_prefix_len:
+        requests = shared_prefix_requests(
+            args.num_prompts, args.shared_prefix_len, args.shared_prefix_groups,
+            args.random_input_len, args.random_output_len, args.seed,
+        )
     else:
         requests = random_requests(
             args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed
@@ -120,6 +130,8 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
             for bar in bars:
                 bar.close()
     metrics = serving_metrics(load.records, load.duration_s)
+    if args.shared_prefix_len:  # every request after the first of each group finds its prefix seen before
+        metrics["warm_ttft_ms"] = warm_ttft(load.records[args.shared_prefix_groups :])
     stages = stage_figures(load.stats_before, load.stats_after)
     after = load.stats_after
     return {
@@ -133,6 +145,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         "stages": stages,
         "cpu": cpu_section(load, metrics["total_output_tokens"]),
         "memcpy": memcpy_reference(config, metrics, stages["num_steps"]),
+        "kv_transfer": kv_section(load.stats_before, load.stats_after),
         "engine": {
             "pid": engine.pid,
             "exit_code": engine.proc.returncode,
@@ -141,6 +154,11 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         },
         "requests": [r.to_dict() for r in load.records],
     }
+
+
+def warm_ttft(records) -> dict[str, Any]:
+    ttfts_ms = [r.ttft_s * 1e3 for r in records if r.ttft_s is not None]
+    return {"count": len(ttfts_ms), "p50": percentile(ttfts_ms, 50), "p99": percentile(ttfts_ms, 99)}
 
 
 def stage_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
