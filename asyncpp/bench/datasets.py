@@ -62,19 +62,3 @@ def load_dataset(path: str | Path, num_prompts: int, default_output_len: int) ->
         raise ValueError(f"{path}: no requests")
     return requests
 
-
-def shared_prefix_requests(
-    num_prompts: int, prefix_len: int, num_groups: int, suffix_len: int, output_len: int, seed: int = 0
-) -> list[BenchRequest]:
-    """Prompts that share one of `num_groups` long prefixes (`prefix_len` words), round robin.
-
-    Request i gets prefix `i % num_groups` and a suffix of its own: with an
-    engine cache smaller than all the prefixes together, each prefix is
-    evicted by the others before it comes back (where a KV connector that
-    offloads blocks can serve it instead of a recompute).
-    """
-    if prefix_len < 1 or num_groups < 1:
-        raise ValueError(f"shared prefix length and groups must be >= 1, got {prefix_len} and {num_groups}")
-    prefixes = synthetic_prompts(num_groups, prefix_len, prefix_len, seed + 7919)
-    suffixes = synthetic_prompts(num_prompts, suffix_len, suffix_len, seed)
-    return [BenchRequest(f"{prefixes[i % num_groups]} {suffixes[i]}", output_len) for i in range(num_prompts)]

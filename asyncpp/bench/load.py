@@ -4,6 +4,12 @@ Arrivals follow `vllm bench serve`: gaps drawn from an exponential
 distribution of mean 1/rate (a Poisson process; rate inf = all at once), and
 at most `max_concurrency` requests in flight (None = no limit). A request's
 clock starts when it is actually sent, after waiting for a concurrency slot.
+
+Bursts (`burst_size`, instead of a rate): the requests go `burst_size` at a
+time, all at once (still at most `max_concurrency` in flight), and a burst
+starts only when every request of the one before has finished, plus
+`burst_gap_s` (time for the engine's background work, such as KV saves).
+The gaps lie inside the measured duration.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import asyncio
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +54,13 @@ def arrival_gaps_s(num_requests: int, request_rate: float, seed: int) -> list[fl
     return [0.0] + [rng.expovariate(request_rate) for _ in range(num_requests - 1)]
 
 
+def burst_ranges(num_requests: int, burst_size: int) -> list[range]:
+    """Request indices of each burst, in send order: [0, B), [B, 2B), ..., the last one shorter."""
+    if burst_size < 1:
+        raise ValueError(f"burst size must be >= 1, got {burst_size}")
+    return [range(start, min(start + burst_size, num_requests)) for start in range(0, num_requests, burst_size)]
+
+
 async def send_one(client: AsyncClient, request: BenchRequest, params: dict[str, Any]) -> RequestRecord:
     record = RequestRecord(expected_output_len=request.output_len, sent_at=time.monotonic())
     timer = TokenTimer(record)
@@ -71,6 +84,45 @@ async def warm_up(client: AsyncClient, requests: Sequence[BenchRequest], tempera
         raise RuntimeError(f"warm-up request failed: {failed[0]}")
 
 
+async def send_requests(
+    send: Callable[[BenchRequest], Awaitable[RequestRecord]],
+    requests: Sequence[BenchRequest],
+    *,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    burst_size: int | None = None,
+    burst_gap_s: float = 0.0,
+    on_done: Callable[[RequestRecord], None] = lambda r: None,
+) -> list[RequestRecord]:
+    """Every request through `send`, paced by rate or by bursts; records in request order."""
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    async def limited(request: BenchRequest, burst: int | None) -> RequestRecord:
+        if slots is None:
+            record = await send(request)
+        else:
+            async with slots:
+                record = await send(request)
+        record.burst = burst
+        on_done(record)
+        return record
+
+    if burst_size:
+        records: list[RequestRecord] = []
+        for burst, indices in enumerate(burst_ranges(len(requests), burst_size)):
+            if burst > 0 and burst_gap_s > 0:
+                await asyncio.sleep(burst_gap_s)
+            records += await asyncio.gather(*(limited(requests[i], burst) for i in indices))
+        return records
+    tasks = []
+    for request, gap_s in zip(requests, arrival_gaps_s(len(requests), request_rate, seed)):
+        if gap_s > 0:
+            await asyncio.sleep(gap_s)
+        tasks.append(asyncio.create_task(limited(request, None)))
+    return list(await asyncio.gather(*tasks))
+
+
 async def run_load(
     address: str,
     requests: Sequence[BenchRequest],
@@ -81,6 +133,8 @@ async def run_load(
     seed: int,
     ignore_eos: bool,
     temperature: float = 0.0,
+    burst_size: int | None = None,
+    burst_gap_s: float = 0.0,
     on_start: Callable[[], None] = lambda: None,
     on_done: Callable[[RequestRecord], None] = lambda r: None,
 ) -> LoadResult:
@@ -89,26 +143,16 @@ async def run_load(
         await warm_up(client, warmup_requests, temperature)
         stats_before = await client.stats()
         cpu_before = CpuSnapshot.take(stats_before.get("stage_pids", []))
-        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-        async def limited(request: BenchRequest) -> RequestRecord:
-            params = sampling_params(request.output_len, ignore_eos, temperature)
-            if slots is None:
-                record = await send_one(client, request, params)
-            else:
-                async with slots:
-                    record = await send_one(client, request, params)
-            on_done(record)
-            return record
+        async def send(request: BenchRequest) -> RequestRecord:
+            return await send_one(client, request, sampling_params(request.output_len, ignore_eos, temperature))
 
         on_start()
         started = time.monotonic()
-        tasks = []
-        for request, gap_s in zip(requests, arrival_gaps_s(len(requests), request_rate, seed)):
-            if gap_s > 0:
-                await asyncio.sleep(gap_s)
-            tasks.append(asyncio.create_task(limited(request)))
-        records = list(await asyncio.gather(*tasks))
+        records = await send_requests(
+            send, requests, max_concurrency=max_concurrency, request_rate=request_rate, seed=seed,
+            burst_size=burst_size, burst_gap_s=burst_gap_s, on_done=on_done,
+        )
         finished = max((r.sent_at + r.e2e_s for r in records if r.e2e_s is not None), default=time.monotonic())
         stats_after = await client.stats()
         cpu_after = CpuSnapshot.take(stats_after.get("stage_pids", []))

@@ -26,10 +26,15 @@ RATIO_METRICS: tuple[tuple[str, str, bool], ...] = (
     ("request_throughput", "req/s", True),
     ("output_throughput", "output tok/s", True),
     ("mean_ttft_ms", "TTFT mean", False),
+    ("p50_ttft_ms", "TTFT p50", False),
     ("p99_ttft_ms", "TTFT p99", False),
     ("mean_tpot_ms", "TPOT mean", False),
     ("p50_itl_ms", "ITL p50", False),
     ("p99_itl_ms", "ITL p99", False),
+)
+# Figures of the shared-prefix workload ("key.field" of a nested dict): compared where both runs have them.
+OPTIONAL_RATIO_METRICS: tuple[tuple[str, str, bool], ...] = (
+    ("ttft_warm_ms.p50", "TTFT p50 warm prefix", False),
 )
 
 
@@ -46,6 +51,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # one gap per token-carrying delta after the first
     num_chunks: int = 0  # token-carrying deltas
     error: str | None = None
+    burst: int | None = None  # 0-based burst the request was sent in; None when bursts are off
 
     @property
     def is_ok(self) -> bool:
@@ -143,8 +149,21 @@ def ratio(subject: float | None, reference: float | None) -> float | None:
     return subject / reference
 
 
+def metric_value(metrics: dict, key: str) -> Any:
+    """`metrics[key]`, or `metrics[outer][inner]` for "outer.inner"; None where missing."""
+    outer, _, inner = key.partition(".")
+    value = metrics.get(outer)
+    if inner:
+        return value.get(inner) if isinstance(value, dict) else None
+    return value
+
+
 def ratio_rows(subject: str, subject_metrics: dict, reference: str, reference_metrics: dict) -> list[dict]:
-    """One row per `RATIO_METRICS` entry: subject value / reference value."""
+    """One row per `RATIO_METRICS` entry, then per optional one both sides have: subject value / reference value."""
+    optional = [
+        entry for entry in OPTIONAL_RATIO_METRICS
+        if metric_value(subject_metrics, entry[0]) is not None and metric_value(reference_metrics, entry[0]) is not None
+    ]
     return [
         {
             "subject": subject,
@@ -152,9 +171,9 @@ def ratio_rows(subject: str, subject_metrics: dict, reference: str, reference_me
             "metric": key,
             "name": name,
             "higher_is_better": higher,
-            "ratio": ratio(subject_metrics.get(key), reference_metrics.get(key)),
+            "ratio": ratio(metric_value(subject_metrics, key), metric_value(reference_metrics, key)),
         }
-        for key, name, higher in RATIO_METRICS
+        for key, name, higher in (*RATIO_METRICS, *optional)
     ]
 
 

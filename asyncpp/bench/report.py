@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncpp.bench.kv_report import kv_lines
+from asyncpp.bench.kv_report import kv_hits, kv_lines, kv_rates
 
 WIDTH = 60
 
@@ -42,9 +42,10 @@ def run_block(run: dict[str, Any]) -> str:
         lines.append(f" {title} ".center(WIDTH, "-"))
         for key in ("mean", "p50", "p99"):
             row(f"{key.capitalize() if key == 'mean' else key.upper()} {name.upper()} (ms):", fmt(m[f"{key}_{name}_ms"]))
-        if name == "ttft" and m.get("warm_ttft_ms"):
-            warm = m["warm_ttft_ms"]
-            row(f"P50 / P99 TTFT, prefix seen ({warm['count']}):", f"{fmt(warm['p50'], 1)} / {fmt(warm['p99'], 1)}")
+        for kind in ("cold", "warm") if name == "ttft" else ():  # only with the shared-prefix workload
+            if f"ttft_{kind}_ms" in m:
+                split = m[f"ttft_{kind}_ms"]
+                row(f"P50 / P99 TTFT {kind}, {split['count']} req (ms):", _p50_p99(split))
     lines.append(" Pipeline stages (measured window) ".center(WIDTH, "-"))
     for rank, busy in enumerate(st["busy_fraction"]):
         row(f"Stage {rank} busy fraction:", fmt(busy, 3))
@@ -85,11 +86,12 @@ def summary_table(result: dict[str, Any]) -> str:
     add("duration s", [fmt(m["duration_s"]) for m in ms], fmt(best.get("duration_s")))
     for name in ("ttft", "tpot", "itl"):
         add(f"{name.upper()} mean/p50/p99 ms", [triple(m, name) for m in ms], "-")
-    if any(m.get("warm_ttft_ms") for m in ms):
-        warm = [m.get("warm_ttft_ms") or {} for m in ms]
-        add("TTFT p50/p99 ms, prefix seen", [f"{fmt(w.get('p50'), 1)} / {fmt(w.get('p99'), 1)}" for w in warm], "-")
+    for kind in ("cold", "warm"):
+        if any(f"ttft_{kind}_ms" in m for m in ms):
+            add(f"TTFT {kind} prefix p50/p99 ms", [_p50_p99(m.get(f"ttft_{kind}_ms")) for m in ms], "-")
     if any(r.get("kv_transfer") for r in runs):
-        add("KV load / save GB/s", [_kv_rates(r.get("kv_transfer")) for r in runs], "-")
+        add("KV load/save GB/s (memcpy)", [kv_rates(r.get("kv_transfer")) for r in runs], "-")
+        add("KV prefix hit tok ext/local", [kv_hits(r.get("kv_transfer")) for r in runs], "-")
     add("stage busy fraction", ["/".join(fmt(b) for b in r["stages"]["busy_fraction"]) for r in runs], "-")
     add("hand-off p50/p99 us", [_handoff(r) for r in runs], "-")
     add("engine CPU %core / us/tok", [_cpu(r["cpu"]["engine"]) for r in runs], "-")
@@ -131,10 +133,8 @@ def _cpu(figures: dict[str, Any]) -> str:
     return f"{fmt(figures['core_pct'], 1)} / {fmt(figures['cpu_us_per_output_token'], 0)}"
 
 
-def _kv_rates(kv: dict[str, Any] | None) -> str:
-    if not kv:
-        return "-"
-    return f"{fmt(kv['load_gbps'])} / {fmt(kv['save_gbps'])} (memcpy {fmt(kv['memcpy_gbps'])})"
+def _p50_p99(split: dict[str, Any] | None) -> str:
+    return "-" if not split else f"{fmt(split['p50'], 1)} / {fmt(split['p99'], 1)}"
 
 
 def _memcpy(run: dict[str, Any]) -> str:

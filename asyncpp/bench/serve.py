@@ -5,6 +5,11 @@
         --runs "pp=2,threads=1;pp=1,threads=1;pp=1,threads=2" --compare transformers \\
         --result-json /tmp/bench_serve.json
 
+    # KV offload: bursts of 8 requests on 4 prefixes of 1024 words, with and without the connector
+    python -m asyncpp.bench --num-prompts 64 --shared-prefix-len 1024 --shared-prefix-groups 4 \\
+        --random-input-len 32 --burst-size 8 --burst-gap-s 0.5 \\
+        --runs 'kv_transfer.connector="none";kv_transfer.connector="offload"'
+
 Each run launches the engine (`python -m asyncpp.launch`) with the config's
 overrides, warms it up, sends the same requests through `AsyncClient` and
 shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
@@ -15,6 +20,12 @@ interleaved (A B A B ...), so that a slow spell of the machine hits every run
 alike; ratios are then taken within each repetition and summarised as their
 median and range. `--compare transformers` adds the same requests through
 `transformers` generate (static batches, best batch size).
+
+`--shared-prefix-len` opens every prompt with one of `--shared-prefix-groups`
+prefixes (asyncpp/bench/shared_prefix.py) and splits TTFT into cold (first
+burst of a prefix) and warm; `--burst-size` sends the requests in bursts, one
+after the other (asyncpp/bench/load.py). A run whose engine has a KV
+connector gets its transfers and prefix hits (asyncpp/bench/kv_report.py).
 """
 
 from __future__ import annotations
@@ -40,13 +51,14 @@ import uvloop
 import asyncpp
 from asyncpp.bench import report
 from asyncpp.bench.cpu import window_cpu
-from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests, shared_prefix_requests
+from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
 from asyncpp.bench.kv_report import kv_section
 from asyncpp.bench.load import LoadResult, run_load
 from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
-from asyncpp.bench.metrics import busy_fractions, percentile, ratio_rows, serving_metrics, summarize_ratios
+from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
+from asyncpp.bench.shared_prefix import cold_warm_ttft, prefix_group, shared_prefix_requests
 from asyncpp.profiling import profiled
 from asyncpp.progress import Progress
 
@@ -70,9 +82,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--random-output-len", type=int, default=64, help="output length in tokens")
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from len*(1 -/+ ratio)")
     ap.add_argument("--shared-prefix-len", type=int, default=0,
-                    help="words of a prefix shared by the prompts (0: none); the suffix is --random-input-len words")
-    ap.add_argument("--shared-prefix-groups", type=int, default=4,
-                    help="distinct shared prefixes, used round robin (request i gets prefix i %% groups)")
+                    help="open each prompt with a shared prefix of this many words (0: off); "
+                         "the rest is --random-input-len random words of its own")
+    ap.add_argument("--shared-prefix-groups", type=int, default=1,
+                    help="distinct prefixes: request i gets prefix (i // burst size) %% groups (default: 1)")
+    ap.add_argument("--burst-size", type=int,
+                    help="send the requests this many at a time; a burst starts when the last one has finished "
+                         "(default: off)")
+    ap.add_argument("--burst-gap-s", type=float, default=0.5,
+                    help="with --burst-size: seconds between bursts, counted in the duration (default: %(default)s)")
     ap.add_argument("--dataset", help='JSON lines with "prompt" and optional "output_len" (instead of random)')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
@@ -86,6 +104,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1) or args.repeat < 1:
         ap.error("--num-prompts, --max-concurrency and --repeat must be >= 1")
+    if args.shared_prefix_len < 0 or args.shared_prefix_groups < 1:
+        ap.error("--shared-prefix-len must be >= 0 and --shared-prefix-groups >= 1")
+    if args.shared_prefix_len and args.dataset:
+        ap.error("--shared-prefix-len builds its own prompts: not with --dataset")
+    if args.burst_size is not None and (args.burst_size < 1 or args.burst_gap_s < 0):
+        ap.error("--burst-size must be >= 1 and --burst-gap-s >= 0")
+    if args.burst_size and math.isfinite(args.request_rate):
+        ap.error("--burst-size sends each burst at once: not with --request-rate")
     return args
 
 
@@ -95,14 +121,15 @@ def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[Be
         requests = load_dataset(args.dataset, args.num_prompts, args.random_output_len)
     elif args.shared_prefix_len:
         requests = shared_prefix_requests(
-            args.num_prompts, args.shared_prefix_len, args.shared_prefix_groups,
-            args.random_input_len, args.random_output_len, args.seed,
+            args.num_prompts, args.shared_prefix_len, args.shared_prefix_groups, args.random_input_len,
+            args.random_output_len, burst_size=args.burst_size, range_ratio=args.random_range_ratio, seed=args.seed,
         )
     else:
         requests = random_requests(
             args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed
         )
     # As short as the shortest measured prompt, so warm-up cannot fail where the benchmark would not.
+    # Its words come from its own seed: it shares no shared prefix, which stays cold until measured.
     num_words = min((len(r.prompt.split()) for r in requests if isinstance(r.prompt, str)), default=16)
     warmup = random_requests(2, num_words, 8, 0.0, args.seed + 1000)
     return requests, warmup
@@ -122,6 +149,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
                     engine.address, requests, warmup,
                     max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
                     ignore_eos=args.ignore_eos, temperature=args.temperature,
+                    burst_size=args.burst_size, burst_gap_s=args.burst_gap_s,
                     on_start=lambda: bars.append(Progress(len(requests), f"[{run.label}] requests", "req")),
                     on_done=lambda _: bars[0].update(),
                 )
@@ -130,8 +158,9 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
             for bar in bars:
                 bar.close()
     metrics = serving_metrics(load.records, load.duration_s)
-    if args.shared_prefix_len:  # every request after the first of each group finds its prefix seen before
-        metrics["warm_ttft_ms"] = warm_ttft(load.records[args.shared_prefix_groups :])
+    if args.shared_prefix_len:
+        groups = [prefix_group(i, args.shared_prefix_groups, args.burst_size) for i in range(len(requests))]
+        metrics |= cold_warm_ttft(load.records, groups)
     stages = stage_figures(load.stats_before, load.stats_after)
     after = load.stats_after
     return {
@@ -154,11 +183,6 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         },
         "requests": [r.to_dict() for r in load.records],
     }
-
-
-def warm_ttft(records) -> dict[str, Any]:
-    ttfts_ms = [r.ttft_s * 1e3 for r in records if r.ttft_s is not None]
-    return {"count": len(ttfts_ms), "p50": percentile(ttfts_ms, 50), "p99": percentile(ttfts_ms, 99)}
 
 
 def stage_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -88,6 +88,17 @@ def test_ratio_rows_divide_subject_by_reference():
     assert by_key["request_throughput"]["ratio"] is None  # missing on both sides
 
 
+def test_ttft_p50_is_compared_and_warm_prefix_ttft_only_where_both_runs_have_it():
+    assert "p50_ttft_ms" in [key for key, _, _ in RATIO_METRICS]
+    warm = {"ttft_warm_ms": {"p50": 30.0, "p99": 90.0, "count": 8}}
+    one_sided = ratio_rows("a", warm, "b", {"p50_ttft_ms": 1.0})
+    assert [r["metric"] for r in one_sided] == [key for key, _, _ in RATIO_METRICS]
+    rows = ratio_rows("a", warm, "b", {"ttft_warm_ms": {"p50": 60.0, "p99": 90.0, "count": 8}})
+    assert len(rows) == len(RATIO_METRICS) + 1
+    assert rows[-1]["metric"] == "ttft_warm_ms.p50" and rows[-1]["ratio"] == pytest.approx(0.5)
+    assert not rows[-1]["higher_is_better"]
+
+
 def test_summarize_ratios_groups_repetitions_by_variant_and_metric():
     def row(repeat, metric, value):
         return {"subject": f"a #{repeat}", "reference": f"b #{repeat}", "subject_variant": "a", "reference_variant": "b",
