@@ -407,8 +407,12 @@ class Scheduler(KVTransferScheduling):
                 hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
             else:
                 hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
-                if self.connector is not None and self._start_load(request, token_ids, hit_block_ids, num_hit_tokens):
-                    continue  # it left the queue to wait for its KV; the next one may go
+                if self.connector is not None:
+                    is_loading = self._start_load(request, token_ids, hit_block_ids, num_hit_tokens)
+                    if is_loading is None:
+                        break  # FCFS: its prefix is on its way for another request; retry next step
+                    if is_loading:
+                        continue  # it left the queue to wait for its KV; the next one may go
             num_new_tokens = len(token_ids) - num_hit_tokens
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 break

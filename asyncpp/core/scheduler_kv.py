@@ -57,9 +57,12 @@ class KVTransferScheduling:
     def _holds_blocks(self, request: Request) -> bool:
         return request.request_id in self._held or request.request_id in self._waiting_for_remote
 
-    def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool:
-        """Ask the connector for more of the prefix; True if the request now waits for an async load."""
+    def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool | None:
+        """Ask the connector for more of the prefix: True if the request now waits for an async load,
+        None if the connector asks to be asked again later (admission stops for this step)."""
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if num_external is None:
+            return None
         if num_external <= 0:
             return False
         if not load_async:

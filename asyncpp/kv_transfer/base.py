@@ -5,7 +5,8 @@ Scheduler side (`KVConnectorScheduler`, one in the engine process):
   request is admitted, after the engine's own prefix cache gave
   `num_computed_tokens`: how many more tokens the connector can supply, and
   whether they load asynchronously (the request then waits in
-  `WAITING_FOR_REMOTE_KVS` until every stage has loaded them).
+  `WAITING_FOR_REMOTE_KVS` until every stage has loaded them), or None to be
+  asked again on a later step.
 * `update_state_after_alloc(request, block_ids, num_external_tokens)` once
   the blocks for those tokens are allocated.
 * `build_connector_meta(plan_info)` once per dispatched plan: the
@@ -82,8 +83,13 @@ class KVConnectorScheduler(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        """(tokens beyond `num_computed_tokens` the connector can supply, whether they load asynchronously)."""
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """(tokens beyond `num_computed_tokens` the connector can supply, whether they load asynchronously).
+
+        None for the tokens: ask again later (the connector is already loading that prefix
+        for another request, which will then be in the engine's own cache); the request
+        keeps its place in the queue.
+        """
 
     @abstractmethod
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:

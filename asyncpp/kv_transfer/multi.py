@@ -33,9 +33,11 @@ class MultiScheduler(KVConnectorScheduler):
         self._loader_of: dict[str, int] = {}  # request id -> the child loading it
         self._unsent_holders: dict[str, list[int]] = {}  # finished request -> children keeping its blocks
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         for index, child in enumerate(self.children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
+            if num_tokens is None:
+                return None, False  # ask again later, as that child asks
             if num_tokens > 0:
                 self._loader_of[request.request_id] = index
                 return num_tokens, load_async

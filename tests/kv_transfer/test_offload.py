@@ -208,3 +208,16 @@ def test_multi_connector_saves_to_both_and_waits_for_both(tiny_hf_dir, expected,
     assert run(e, LATER) == expected
     assert e.scheduler.stats().num_external_prefix_hit_tokens > 0
     e.close()
+
+
+def test_requests_sharing_a_stored_prefix_load_it_once(tiny_hf_dir, expected):
+    """The second waits for the first's load, then hits the engine's own cache: no second copy."""
+    e = engine(tiny_hf_dir, 2)
+    first_then_flush(e)
+    before = e.scheduler.stats()
+    outs = e.generate([LATER, LATER], GREEDY)
+    assert [o.token_ids for o in outs] == [expected, expected]
+    after = e.scheduler.stats()
+    assert after.num_external_prefix_hit_tokens - before.num_external_prefix_hit_tokens == len(PREFIX)  # once
+    assert after.num_prefix_cache_hit_tokens - before.num_prefix_cache_hit_tokens >= len(PREFIX)  # the second one
+    e.close()

@@ -41,6 +41,7 @@ class OffloadScheduler(KVConnectorScheduler):
         self.log = get_logger(role="engine", connector="offload")
         self._prompt_hashes: dict[str, list[BlockHash]] = {}  # waiting request -> its full prompt blocks' hashes
         self._loads: dict[str, BlockTransfer] = {}  # in flight (slots pinned)
+        self._loading: dict[BlockHash, int] = {}  # hashes of the loads in flight -> how many
         self._unsent_loads: list[BlockTransfer] = []
         self._saving: dict[str, list[BlockHash]] = {}  # request -> hashes it saves (PENDING until it is finished)
         self._num_saved_blocks: dict[str, int] = {}  # request -> leading full blocks already considered
@@ -49,9 +50,13 @@ class OffloadScheduler(KVConnectorScheduler):
             self._restore()
 
     # ---- loads ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         hashes = self._hashes_of(request)
         first = num_computed_tokens // self.ctx.block_size
+        if first < len(hashes) and hashes[first] in self._loading:
+            # Another request is loading this prefix: once it is in the engine's cache this one
+            # hits it there, instead of loading (and holding) the same blocks a second time.
+            return None, False
         num_blocks = self.index.lookup(hashes[first:])
         return num_blocks * self.ctx.block_size, num_blocks > 0
 
@@ -64,6 +69,8 @@ class OffloadScheduler(KVConnectorScheduler):
         hashes = self._hashes_of(request)[first:last]
         load = BlockTransfer(request.request_id, block_ids[first:last], hashes, self.index.pin(hashes))
         self._loads[request.request_id] = load
+        for block_hash in hashes:
+            self._loading[block_hash] = self._loading.get(block_hash, 0) + 1
         self._unsent_loads.append(load)
 
     def has_unsent_metadata(self) -> bool:
@@ -107,6 +114,11 @@ class OffloadScheduler(KVConnectorScheduler):
             if load is None:
                 continue
             self.index.unpin(load.block_hashes)
+            for block_hash in load.block_hashes:
+                if self._loading.get(block_hash, 0) <= 1:
+                    self._loading.pop(block_hash, None)
+                else:
+                    self._loading[block_hash] -= 1
             bad = [h for h, b in zip(load.block_hashes, load.block_ids) if b in self._invalid_block_ids]
             self._invalid_block_ids.difference_update(load.block_ids)
             if bad:
