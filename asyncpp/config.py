@@ -35,6 +35,10 @@ class ModelConfig:
     # bfloat16 CPU linears: "auto" = asyncpp's AVX512-BF16 kernel where the CPU has it and no
     # AMX, else oneDNN; "onednn" = always oneDNN (the same numbers as F.linear).
     linear_kernel: str = "auto"
+    # CUDA stages: capture a graph per stage for decode steps of these batch sizes (a step is
+    # padded to the next one; larger steps and prefills run eagerly). Ignored on CPU.
+    cuda_graphs: bool = True
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
     def __post_init__(self) -> None:
         if self.source not in _SOURCES:
@@ -43,9 +47,17 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.linear_kernel not in _LINEAR_KERNELS:
             raise ConfigError(f"model.linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
+        if not _is_device_name(self.device):
             raise ConfigError(f"model.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len)
+        for n in self.cuda_graph_sizes:
+            _positive("model.cuda_graph_sizes entries", n)
+        if list(self.cuda_graph_sizes) != sorted(set(self.cuda_graph_sizes)):
+            raise ConfigError(f"model.cuda_graph_sizes must be increasing and distinct, got {list(self.cuda_graph_sizes)}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
     @property
     def path_or_none(self) -> str | None:
@@ -66,9 +78,16 @@ class ParallelConfig:
     # (outputs in, next plans out) then take a core from a stage at once instead of waiting
     # for its time slice. 0 = run at the launcher's priority.
     stage_nice: int = 5
+    # One device per stage ("cuda:0", "cuda:1", ...); () = every stage on model.device.
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
+        if self.devices and len(self.devices) != self.pp_size:
+            raise ConfigError(f"parallel.devices has {len(self.devices)} entries but parallel.pp_size is {self.pp_size}")
+        for d in self.devices:
+            if not _is_device_name(d):
+                raise ConfigError(f"parallel.devices entries must be 'cpu' or 'cuda[:N]', got {d!r}")
         _positive("parallel.num_threads", self.num_threads)
         if not 0 <= self.max_steps_in_flight <= self.pp_size + 1:
             raise ConfigError(
@@ -172,6 +191,13 @@ class EngineConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
+        kinds = {d.split(":")[0] for d in self.stage_devices}
+        if len(kinds) > 1:
+            raise ConfigError(f"parallel.devices mixes device kinds {sorted(kinds)}: every stage must be on CPU or on CUDA")
+        if self.parallel.devices and kinds != {self.model.device.split(":")[0]}:
+            raise ConfigError(
+                f"parallel.devices {list(self.parallel.devices)} do not match model.device {self.model.device!r}"
+            )
         if (
             not self.scheduler.enable_chunked_prefill
             and self.scheduler.max_num_batched_tokens < self.model.max_model_len
@@ -180,6 +206,11 @@ class EngineConfig:
                 "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                 "when scheduler.enable_chunked_prefill is false"
             )
+
+    @property
+    def stage_devices(self) -> tuple[str, ...]:
+        """The device of every pipeline stage, in stage order."""
+        return self.parallel.devices or (self.model.device,) * self.parallel.pp_size
 
     def replace(self, **sections: Any) -> "EngineConfig":
         """A copy with whole sections or single fields replaced: replace(model={"dtype": "float32"})."""
@@ -240,6 +271,13 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
         raise ConfigError(f"config key {key} must be {hint.__name__}, got {type(value).__name__} ({value!r})")
     return value
+
+
+def _is_device_name(name: str) -> bool:
+    if name == "cpu" or name == "cuda":
+        return True
+    kind, _, index = name.partition(":")
+    return kind == "cuda" and index.isdigit()
 
 
 def _positive(key: str, value: int) -> None:

@@ -21,6 +21,7 @@ import torch
 from asyncpp.config import EngineConfig
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.scheduler import Scheduler
+from asyncpp.device import check_devices
 from asyncpp.engine.executor import InProcessExecutor
 from asyncpp.engine.input_processor import InputProcessor, Prompt
 from asyncpp.engine.output_processor import OutputProcessor
@@ -38,7 +39,7 @@ from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
-from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
+from asyncpp.worker.stage import build_model_slice, build_runner, decode_graph_sizes, stage_num_blocks, torch_dtype
 
 
 _RUN_IDS = itertools.count()
@@ -222,6 +223,7 @@ class Engine(EngineCore):
 
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.parallel.num_threads)
+        devices = check_devices(config)
         arch = read_arch(config.model.source, config.model.path_or_none)
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
         capacity = resolve_capacity(config, arch)
@@ -231,6 +233,7 @@ class Engine(EngineCore):
         dtype = torch_dtype(config.model.dtype)
         runners = []
         for rank, (start, end) in enumerate(capacity.layer_ranges):
+            device = devices[rank]
             model = build_model_slice(
                 config.model.source,
                 config.model.path_or_none,
@@ -238,20 +241,22 @@ class Engine(EngineCore):
                 start,
                 end,
                 dtype,
-                config.model.device,
+                device,
                 config.model.linear_kernel,
             )
-            runners.append(
-                build_runner(
-                    model,
-                    num_blocks=capacity.num_blocks,
-                    block_size=capacity.block_size,
-                    max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                    dtype=dtype,
-                    device=config.model.device,
-                    kv_connector=create_worker_connector(kv_ctx, rank, kv_module),
-                )
+            runner = build_runner(
+                model,
+                num_blocks=capacity.num_blocks,
+                block_size=capacity.block_size,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                dtype=dtype,
+                device=device,
+                kv_connector=create_worker_connector(kv_ctx, rank, kv_module),
+                graph_sizes=decode_graph_sizes(config, device),
+                max_model_len=capacity.max_model_len,
             )
+            runner.build_graphs()
+            runners.append(runner)
         self.executor = InProcessExecutor(runners)
         self.log.info("engine_ready", num_blocks=capacity.num_blocks, layer_ranges=capacity.layer_ranges)
 

@@ -31,9 +31,11 @@ import torch
 
 from asyncpp.core.plan import StepPlan
 from asyncpp.kernels.decode_attention import decode_attention_kernel
+from asyncpp.kernels.triton_attention import triton_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
+from asyncpp.worker.cuda_graphs import DecodeGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
 from asyncpp.worker.step_inputs import StepInputBuffers
@@ -61,18 +63,30 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         use_decode_kernel: bool = True,
         kv_connector: KVConnectorWrapper | None = None,
+        graph_sizes: tuple[int, ...] = (),
+        capture_graphs: bool = True,
+        max_model_len: int = 0,
+        pad_slot: int | None = None,
     ) -> None:
+        """`graph_sizes`: decode batch sizes run from static buffers (CUDA graphs when `capture_graphs`);
+        they need the decode kernel, `max_model_len` and a `pad_slot` past the engine's blocks."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         dtype, arch = kv_caches[0][0].dtype, model.arch
-        decode_kernel = (
-            decode_attention_kernel(self.device, dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim)
-            if use_decode_kernel
-            else None
-        )
+        decode_kernel = None
+        if use_decode_kernel:  # the C kernel on CPU, the Triton one on CUDA; else torch's SDPA paths
+            heads = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
+            decode_kernel = decode_attention_kernel(self.device, dtype, *heads) or triton_attention_kernel(
+                self.device, dtype, *heads
+            )
+        self.decode_kernel = decode_kernel
+        self.graphs: DecodeGraphs | None = None
+        self.graph_sizes = tuple(graph_sizes) if decode_kernel is not None else ()
+        self.capture_graphs, self.max_model_len, self.pad_slot = capture_graphs, max_model_len, pad_slot
+        self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
         self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
         self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
         self.sampling_states: dict[str, RequestSamplingState] = {}
@@ -84,6 +98,32 @@ class ModelRunner:
     @property
     def is_last(self) -> bool:
         return self.model.is_last
+
+    def build_graphs(self, input_slots: list[IntermediateTensors] | None = None) -> None:
+        """Capture the decode graphs (a non-first stage: reading `input_slots`, else a buffer of its own)."""
+        sizes = tuple(b for b in self.graph_sizes if b <= self.max_num_batched_tokens)
+        if not sizes:
+            return
+        if self.pad_slot is None or self.max_model_len <= 0:
+            raise ValueError("decode graphs need a padding slot and max_model_len")
+        copy_inputs = not self.model.is_first and input_slots is None
+        if copy_inputs:
+            dtype = self.kv_caches[0][0].dtype
+            input_slots = [IntermediateTensors.allocate(self.max_num_batched_tokens, self.model.arch.hidden_size, dtype, self.device)]
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.decode_kernel,
+            sizes=sizes,
+            block_size=self.block_size,
+            max_blocks_per_req=-(-self.max_model_len // self.block_size),
+            pad_slot=self.pad_slot,
+            input_slots=input_slots,
+            copy_inputs=copy_inputs,
+            device=self.device,
+            capture=self.capture_graphs and self.device.type == "cuda",  # CPU: static buffers, no graphs
+        )
+        self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute_model(
@@ -107,13 +147,17 @@ class ModelRunner:
                     f"the plan has {inputs.num_tokens}"
                 )
             intermediate = intermediate.narrow(inputs.num_tokens)
-        out = self.model(
-            inputs.input_ids if self.model.is_first else None,
-            inputs.positions,
-            self.kv_caches,
-            inputs.attn_meta,
-            intermediate,
-        )
+        size = self.graphs.padded_size(inputs, len(plan.scheduled)) if self.graphs is not None else None
+        if size is not None:
+            out = self.graphs.run(size, inputs, intermediate)
+        else:
+            out = self.model(
+                inputs.input_ids if self.model.is_first else None,
+                inputs.positions,
+                self.kv_caches,
+                inputs.attn_meta,
+                intermediate,
+            )
         if not self.is_last:
             return out
         logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None

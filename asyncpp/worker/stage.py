@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from asyncpp.config import EngineConfig
+from asyncpp.device import is_cuda
 from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kernels.fused_ops import fused_ops
 from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
@@ -64,6 +66,15 @@ def build_model_slice(
     return model
 
 
+def decode_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
+    """The decode batch sizes a stage on `device` captures CUDA graphs for (none on CPU)."""
+    if not (is_cuda(device) and config.model.cuda_graphs):
+        return ()
+    return tuple(b for b in config.model.cuda_graph_sizes if b <= config.scheduler.max_num_seqs) or (
+        config.model.cuda_graph_sizes[0],
+    )
+
+
 def stage_num_blocks(arch: ModelArch, num_layers: int, budget_mb: int, block_size: int, dtype: torch.dtype) -> int:
     return num_blocks_for_budget(
         budget_mb * 1024 * 1024,
@@ -84,9 +95,15 @@ def build_runner(
     dtype: torch.dtype,
     device: str,
     kv_connector: KVConnectorWorker | None = None,
+    graph_sizes: tuple[int, ...] = (),
+    capture_graphs: bool = True,
+    max_model_len: int = 0,
 ) -> ModelRunner:
+    """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
+    their padding rows' K/V there."""
+    num_allocated = num_blocks + 1 if graph_sizes else num_blocks
     kv_caches = allocate_kv_caches(
-        model.num_layers, num_blocks, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device
+        model.num_layers, num_allocated, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device
     )
     return ModelRunner(
         model,
@@ -95,4 +112,8 @@ def build_runner(
         block_size=block_size,
         device=device,
         kv_connector=KVConnectorWrapper(kv_connector),
+        graph_sizes=graph_sizes,
+        capture_graphs=capture_graphs,
+        max_model_len=max_model_len,
+        pad_slot=num_blocks * block_size if graph_sizes else None,
     )

@@ -1,0 +1,147 @@
+"""Paged decode attention on CUDA through a Triton kernel, the GPU twin of `decode_attention.c`.
+
+Same contract as the C kernel (`asyncpp.kernels.decode_attention`): one
+query token per row, each attending its own context `[0, context_len)`
+through its block table, in a fixed order. `asyncpp.model.attention` sends
+every token of a step through it, prefill tokens included, so a token's
+result never depends on what shares its step. The loop over keys runs to
+each row's `context_len`, read on the device: the launch has a fixed grid
+per batch size, which is what lets a CUDA graph replay it for any context
+lengths.
+
+One program per (query row, KV head): it loads the group of query heads that
+share the KV head once, walks the row's blocks one `block_size` tile at a
+time with an online softmax in float32, and writes the group's outputs.
+
+`triton_attention_kernel(device, dtype, ...)` returns the callable, or None
+where it cannot run (no Triton, a CPU device). Tests run it on CPU through
+Triton's interpreter (`TRITON_INTERPRET=1` set before the kernel is built).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Callable
+
+import torch
+
+DecodeAttention = Callable[..., None]
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_attention_kernel(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> DecodeAttention | None:
+    """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`)."""
+    if not has_triton() or num_heads % num_kv_heads != 0:
+        return None
+    if torch.device(device).type != "cuda" and not is_interpreted():
+        return None
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    kernel = _build_kernel()
+    group = num_heads // num_kv_heads
+
+    def decode_attention(
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
+        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] contiguous
+        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim] contiguous
+        block_table: torch.Tensor,  # [num_rows, max_num_blocks] int64 contiguous
+        rows: torch.Tensor,  # [num_rows] int64: token row of each query and its output
+        context_lens: torch.Tensor,  # [num_rows] int64: keys per query, itself included
+        max_context_len: int,  # unused: each program reads its own length (graph replays)
+        block_size: int,
+        out: torch.Tensor,  # [num_tokens, num_heads * head_dim] contiguous, written at `rows`
+        scale: float,
+    ) -> None:
+        if q.stride(2) != 1 or q.stride(1) != head_dim or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("decode attention needs head-contiguous q and contiguous caches")
+        num_rows = rows.shape[0]
+        if num_rows == 0:
+            return
+        kernel[(num_rows, num_kv_heads)](
+            q, q.stride(0), k_cache, v_cache, k_cache.stride(0),
+            block_table, block_table.stride(0), rows, context_lens,
+            out, out.stride(0), scale,
+            GROUP=group, GROUP_P=_pow2(group), HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), BLOCK_SIZE=block_size,
+        )  # fmt: skip
+
+    return decode_attention
+
+
+def is_interpreted() -> bool:
+    """Triton's interpreter runs kernels on the CPU; it is chosen when the kernel is defined."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+_KERNEL = None
+
+
+def _build_kernel():
+    """Compile-on-first-use: importing this module never needs Triton."""
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def paged_decode_attention(
+        q_ptr, q_row_stride, k_ptr, v_ptr, slot_stride,
+        table_ptr, table_stride, rows_ptr, lens_ptr,
+        out_ptr, out_row_stride, scale,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0)  # query row of the launch
+        kv_head = tl.program_id(1)
+        row = tl.load(rows_ptr + i)
+        context_len = tl.load(lens_ptr + i)
+        heads = tl.arange(0, GROUP_P)
+        dims = tl.arange(0, HEAD_DIM_P)
+        head_ok = heads < GROUP
+        dim_ok = dims < HEAD_DIM
+        q_heads = kv_head * GROUP + heads
+        q_offs = row * q_row_stride + q_heads[:, None] * HEAD_DIM + dims[None, :]
+        q = tl.load(q_ptr + q_offs, mask=head_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+
+        m = tl.full((GROUP_P,), float("-inf"), tl.float32)
+        denom = tl.zeros((GROUP_P,), tl.float32)
+        acc = tl.zeros((GROUP_P, HEAD_DIM_P), tl.float32)
+        offs = tl.arange(0, BLOCK_SIZE)
+        num_blocks = (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+        for b in range(0, num_blocks):
+            block_id = tl.load(table_ptr + i * table_stride + b)
+            pos = b * BLOCK_SIZE + offs
+            key_ok = pos < context_len
+            slots = block_id * BLOCK_SIZE + offs
+            kv_offs = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
+            kv_mask = key_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM_P]
+            v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK_SIZE]
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            denom = denom * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        result = acc / denom[:, None]
+        out_offs = row * out_row_stride + q_heads[:, None] * HEAD_DIM + dims[None, :]
+        tl.store(out_ptr + out_offs, result.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+
+    _KERNEL = paged_decode_attention
+    return _KERNEL

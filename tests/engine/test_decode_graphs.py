@@ -1,0 +1,65 @@
+"""Decode steps run from static, padded buffers (the CUDA-graph path, without capture on CPU).
+
+The graphs' input handling (padding to a captured size, the padding block,
+the block table and context lengths loaded into static buffers, a non-first
+stage reading its own input buffer in-process) runs on CPU exactly as on
+CUDA, only without `torch.cuda.graph`: greedy tokens must equal the eager
+path's, and the padded sizes must really have been used.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncpp.engine import engine as engine_module
+from asyncpp.engine.engine import Engine
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import tiny_config, tiny_prompts
+
+# Different lengths: requests finish one after another, so decode steps shrink from 11 to 1.
+PARAMS = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(11)]
+SIZES = (1, 2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_hf_dir):
+    return tiny_prompts(200, 11)
+
+
+@pytest.fixture(scope="module")
+def eager(tiny_hf_dir, prompts):
+    engine = Engine(tiny_config(tiny_hf_dir))
+    return [r.token_ids for r in engine.generate(prompts, PARAMS)]
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 3])
+def test_static_decode_buffers_give_the_eager_tokens(tiny_hf_dir, prompts, eager, pp_size, monkeypatch):
+    monkeypatch.setattr(engine_module, "decode_graph_sizes", lambda config, device: SIZES)
+    engine = Engine(tiny_config(tiny_hf_dir, parallel={"pp_size": pp_size}))
+    runners = engine.executor.runners
+    assert all(r.graphs is not None and not r.graphs.capture for r in runners)
+    # 3 requests decode first (padded to 4), then 11 (eager, larger than 8), then fewer and fewer.
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts[:3], PARAMS)]
+    tokens: dict[str, list[int]] = {}
+    for _ in range(4):
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    ids += [engine.add_request(p, sp) for p, sp in zip(prompts[3:], PARAMS[3:])]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    assert [tokens[i] for i in ids] == eager
+    for runner in runners:
+        runs = runner.graphs.num_runs
+        assert all(n > 0 for n in runs.values()), runs
+    # Every stage runs the same steps the same way.
+    assert len({tuple(r.graphs.num_runs.values()) for r in runners}) == 1
+
+
+def test_padding_block_is_never_handed_out(tiny_hf_dir, monkeypatch):
+    monkeypatch.setattr(engine_module, "decode_graph_sizes", lambda config, device: SIZES)
+    engine = Engine(tiny_config(tiny_hf_dir, cache={"num_kv_blocks_override": 20}))
+    runner = engine.executor.runners[0]
+    assert engine.block_manager.num_blocks == 20
+    assert runner.kv_caches[0][0].shape[0] == 21 * 16  # one more block: the padding rows' K/V
+    assert runner.graphs.pad_slot == 20 * 16

@@ -1,0 +1,40 @@
+"""The Triton decode-attention kernel (the CUDA path) against a float64 reference.
+
+On CPU it runs under Triton's interpreter in a subprocess (the interpreter is
+chosen when a kernel is defined, so it cannot be switched on in this
+process); on a GPU the same checks run on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncpp.kernels.triton_attention import has_triton
+from tests.kernels import triton_attention_checks as checks
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_triton = pytest.mark.skipif(not has_triton(), reason="Triton is not installed")
+
+
+@needs_triton
+def test_interpreted_on_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.triton_attention_checks", "cpu"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(": ok") == len(checks.CHECKS)
+
+
+@needs_triton
+@pytest.mark.cuda
+@pytest.mark.parametrize("check", checks.CHECKS, ids=lambda c: c.__name__)
+def test_on_cuda(check):
+    check("cuda")

@@ -1,0 +1,74 @@
+"""Checks of the Triton decode-attention kernel, run on CUDA in-process or on CPU under Triton's interpreter.
+
+`python -m tests.kernels.triton_attention_checks` (with `TRITON_INTERPRET=1`)
+runs every check on CPU and exits non-zero on the first failure; on a GPU
+`tests/kernels/test_triton_attention.py` calls the same functions on CUDA.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from asyncpp.kernels.triton_attention import triton_attention_kernel
+from tests.kernels.test_decode_attention import BLOCK_SIZE, _case, _reference
+
+SHAPES = [(9, 3, 64), (4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 1, 128), (3, 3, 48)]
+TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+CONTEXT_LENS = [1, 15, 16, 17, 32, 100, 203]
+
+
+def _kernel(device, dtype, num_heads, num_kv_heads, head_dim):
+    fn = triton_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim)
+    assert fn is not None, "Triton kernel unavailable"
+    return fn
+
+
+def _run(fn, device, q, k_cache, v_cache, block_table, context_lens, rows=None, num_rows=None):
+    rows = torch.arange(q.shape[0]) if rows is None else rows
+    out = torch.full((num_rows or q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype, device=device)
+    scale = q.shape[2] ** -0.5
+    on = lambda t: t.to(device)  # noqa: E731
+    fn(on(q), on(k_cache), on(v_cache), on(block_table), on(rows), on(context_lens), int(context_lens.max()),
+       BLOCK_SIZE, out, scale)  # fmt: skip
+    return out.cpu(), scale
+
+
+def check_matches_float64_reference(device: str) -> None:
+    for num_heads, num_kv_heads, head_dim in SHAPES:
+        for dtype, atol in TOLERANCES.items():
+            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim)
+            q, k_cache, v_cache, block_table, context_lens = _case(num_heads, num_kv_heads, head_dim, CONTEXT_LENS, dtype)
+            out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
+            ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+            torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+def check_writes_only_the_given_rows(device: str) -> None:
+    fn = _kernel(device, torch.float32, 4, 2, 16)
+    q, k_cache, v_cache, block_table, context_lens = _case(4, 2, 16, [5, 40], torch.float32)
+    q_rows = torch.zeros(5, *q.shape[1:])
+    q_rows[1], q_rows[3] = q[0], q[1]
+    rows = torch.tensor([1, 3])
+    out, scale = _run(fn, device, q_rows, k_cache, v_cache, block_table, context_lens, rows=rows, num_rows=5)
+    ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+    torch.testing.assert_close(out[rows].double(), ref, atol=2e-6, rtol=2e-6)
+    assert out[[0, 2, 4]].isnan().all(), "rows of other tokens must be left alone"
+
+
+def check_batch_invariant(device: str) -> None:
+    fn = _kernel(device, torch.bfloat16, 9, 3, 64)
+    q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [7, 64, 130, 33, 250, 1], torch.bfloat16)
+    together, _ = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
+    for i in range(q.shape[0]):
+        alone, _ = _run(fn, device, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])
+        assert torch.equal(alone[0], together[i]), f"request {i} changed with the batch"
+
+
+CHECKS = [check_matches_float64_reference, check_writes_only_the_given_rows, check_batch_invariant]
+
+if __name__ == "__main__":
+    for check in CHECKS:
+        check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+        print(f"{check.__name__}: ok", flush=True)
