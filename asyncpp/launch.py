@@ -22,6 +22,7 @@ import uvloop
 
 from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config
+from asyncpp.device import check_devices
 from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
@@ -34,7 +35,9 @@ from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
+from asyncpp.transport import transport_for
 from asyncpp.wire.queues import RouterQueue
+from asyncpp.worker.stage import decode_graph_sizes
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024
 STAGE_READY_TIMEOUT_S = 600.0
@@ -60,6 +63,7 @@ def stage_args_for(
     kv_connector: ConnectorContext | None = None,
 ) -> list[StageArgs]:
     pp_size = len(capacity.layer_ranges)
+    devices = config.stage_devices
     return [
         StageArgs(
             pp_rank=rank,
@@ -69,7 +73,10 @@ def stage_args_for(
             model_source=config.model.source,
             model_path=config.model.path_or_none,
             dtype=config.model.dtype,
-            device=config.model.device,
+            device=devices[rank],
+            peer_device=devices[rank - 1] if rank > 0 else devices[rank],
+            graph_sizes=decode_graph_sizes(config, devices[rank]),
+            max_model_len=capacity.max_model_len,
             linear_kernel=config.model.linear_kernel,
             num_threads=config.parallel.num_threads,
             block_size=config.cache.block_size,
@@ -78,7 +85,7 @@ def stage_args_for(
             num_ring_slots=max_steps_in_flight(config),
             nice=config.parallel.stage_nice,
             async_scheduling=config.scheduler.async_scheduling,
-            transport="shm",
+            transport=transport_for(devices[rank]),
             addresses=addresses,
             kv_connector=kv_connector,
             kv_connector_module=config.kv_transfer.module,
@@ -98,6 +105,7 @@ def max_steps_in_flight(config: EngineConfig) -> int:
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     log = get_logger(role="launch")
     torch.set_num_threads(1)  # the engine process schedules; the stages compute
+    check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
     arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch)
     addresses = RunAddresses.create()

@@ -60,6 +60,9 @@ class StageArgs:
     num_ring_slots: int
     transport: str
     addresses: RunAddresses
+    peer_device: str = "cpu"  # the previous stage's device (it writes into this stage's ring)
+    graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
+    max_model_len: int = 0
     kv_connector: ConnectorContext | None = None  # None: no KV connector
     kv_connector_module: str = ""  # imported before the connector is looked up (out-of-tree connectors)
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
@@ -83,6 +86,8 @@ def stage_main(args: StageArgs) -> None:
     _die_with_launcher()
     configure_logging(args.log_format, args.log_level, args.log_file)
     torch.set_num_threads(args.num_threads)
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(args.device))
     if args.nice:
         os.nice(args.nice)
     log = get_logger(role="stage", pp_rank=args.pp_rank)
@@ -157,8 +162,11 @@ class Stage:
                 max_num_tokens=a.max_num_batched_tokens,
                 hidden_size=arch.hidden_size,
                 dtype=a.dtype,
+                device=a.device,
+                peer_device=a.peer_device,
             )
             self.receiver = get_transport(a.transport).create_receiver(recv_spec)
+            recv_spec = self.receiver.spec  # with the transport's handles
         num_blocks = stage_num_blocks(arch, a.end_layer - a.start_layer, a.kv_cache_memory_mb, a.block_size, dtype)
         load_time_s = time.time() - t0
         self.outputs.put(
@@ -182,7 +190,11 @@ class Stage:
             dtype=torch_dtype(a.dtype),
             device=a.device,
             kv_connector=create_worker_connector(a.kv_connector, a.pp_rank, a.kv_connector_module),
+            graph_sizes=a.graph_sizes,
+            max_model_len=a.max_model_len,
         )
+        # The graphs read the ring's slots in place: the previous stage's write is the only copy.
+        self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)
         if start.send_ring is not None:
             self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
 
@@ -195,6 +207,7 @@ class Stage:
         # A plan with no tokens moves no activations (only the KV connector is polled).
         moves_activations = not plan.is_empty
         is_handed_off = is_connector_done = False
+        read_slot = None  # the ring slot this step reads, released once its forward is enqueued
         try:
             intermediate = None
             if self.acts_in is not None and moves_activations:
@@ -203,7 +216,12 @@ class Stage:
                 if notice.step_id != plan.step_id:
                     raise RuntimeError(f"activation notice for step {notice.step_id} while running step {plan.step_id}")
                 intermediate = self.receiver.view(notice)
-            result = self.runner.execute_model(plan, intermediate)
+                read_slot = notice.slot
+            try:
+                result = self.runner.execute_model(plan, intermediate)
+            finally:
+                if read_slot is not None:
+                    self.receiver.release(read_slot)
             if self.args.is_last:
                 output = self.runner.sample_tokens()
                 is_connector_done = True

@@ -9,8 +9,8 @@ notice against the agreed keys and capacity and fails the step with
 `ActivationError` on any mismatch.
 
 A transport registers a receiver class (`create(spec) -> Receiver`) and a
-sender class (`attach(spec) -> Sender`); a CUDA-IPC or torch.distributed
-backend plugs in here without touching the runner.
+sender class (`attach(spec) -> Sender`): `shm` (CPU) and `cuda_ipc` (CUDA);
+a torch.distributed backend would plug in here without touching the runner.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ class RingSpec:
     max_num_tokens: int
     hidden_size: int
     dtype: str  # "float32" | "bfloat16" | "float16"
+    device: str = "cpu"  # where the ring lives (the receiver's device)
+    peer_device: str = "cpu"  # the sender's device
+    handles: bytes = b""  # transport-specific, msgpack (cuda_ipc: memory and event IPC handles)
 
 
 @message("activation_notice")
@@ -52,6 +55,8 @@ class Receiver(Protocol):
     spec: RingSpec
 
     def view(self, notice: ActivationNotice) -> IntermediateTensors: ...
+    def release(self, slot: int) -> None: ...  # the step reading `slot` is enqueued: it may be rewritten after it
+    def slots(self) -> list[IntermediateTensors]: ...  # every slot, full size (the graphs' input addresses)
     def close(self) -> None: ...
 
 
@@ -79,6 +84,11 @@ def get_transport(name: str) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"unknown activation transport {name!r}; known: {sorted(TRANSPORTS)}")
     return TRANSPORTS[name]
+
+
+def slot_views(ring, spec: RingSpec, slot: int, num_tokens: int) -> IntermediateTensors:
+    """The first `num_tokens` rows of every key of `slot` of a `[slots, keys, tokens, hidden]` ring."""
+    return IntermediateTensors({k: ring[slot, i, :num_tokens] for i, k in enumerate(spec.keys)})
 
 
 def check_notice(spec: RingSpec, notice: ActivationNotice) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.dtypes import torch_dtype
-from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport
+from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport, slot_views
 
 
 def _ring_tensor(shm: shared_memory.SharedMemory, spec: RingSpec) -> torch.Tensor:
@@ -38,8 +38,13 @@ class ShmReceiver:
 
     def view(self, notice: ActivationNotice) -> IntermediateTensors:
         check_notice(self.spec, notice)
-        slot = self.ring[notice.slot]
-        return IntermediateTensors({k: slot[i, : notice.num_tokens] for i, k in enumerate(self.spec.keys)})
+        return slot_views(self.ring, self.spec, notice.slot, notice.num_tokens)
+
+    def release(self, slot: int) -> None:
+        """Nothing to do: the CPU forward that read the slot is over when this is called."""
+
+    def slots(self) -> list[IntermediateTensors]:
+        return [slot_views(self.ring, self.spec, s, self.spec.max_num_tokens) for s in range(self.spec.num_slots)]
 
     def close(self) -> None:
         del self.ring

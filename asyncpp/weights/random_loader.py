@@ -59,6 +59,23 @@ RANDOM_CONFIGS: dict[str, ModelArch] = {
     # Six layers split evenly into 3 pipeline stages (and into 2).
     "tiny-llama-6l": dataclasses.replace(_TINY_LLAMA, num_layers=6),
     "tiny-llama-tied": dataclasses.replace(_TINY_LLAMA, tie_word_embeddings=True),
+    # SmolLM2-135M's shape with random weights: speed work and exactness checks where the GGUF
+    # cannot travel (the GPU machine).
+    "smollm2-135m": ModelArch(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
 }
 
 

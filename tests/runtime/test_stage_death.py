@@ -34,10 +34,14 @@ async def stream_until_failure(client: AsyncClient, prompt, first_token: asyncio
     return num_tokens, None, time.monotonic()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("victim", ["first", "last"])
-async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, victim):
+async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, victim, device):
     # At most 20 running requests, so the extra ones stay queued.
-    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), scheduler={"max_num_seqs": NUM_RUNNING})
+    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), scheduler={"max_num_seqs": NUM_RUNNING}, model={"device": device})
+    # CUDA: the ring is GPU memory shared through IPC handles, but torch keeps a reference
+    # counter for shared CUDA memory in /dev/shm (torch_*): none may outlive the run either.
+    torch_files_before = set(shm_segments("torch_"))
     prompts = [p[:40] for p in tiny_prompts(320, 12) * 2][: NUM_RUNNING + NUM_QUEUED]  # 40 + 200 fit 256
     with launched(tmp_path, sections) as engine:
         client = AsyncClient(engine.address)
@@ -45,7 +49,8 @@ async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, v
             stats = await client.stats()
             pids, run_id = stats["stage_pids"], stats["run_id"]
             assert len(pids) == 2 and all(pid_alive(p) for p in pids)
-            assert len(shm_segments(f"asyncpp-{run_id}")) == 1  # stage 1's receive ring
+            # Stage 1's receive ring: a shared-memory segment on CPU, GPU memory on CUDA.
+            assert len(shm_segments(f"asyncpp-{run_id}")) == (1 if device == "cpu" else 0)
             first_token = asyncio.Event()
             tasks = [asyncio.create_task(stream_until_failure(client, p, first_token)) for p in prompts]
             await asyncio.wait_for(first_token.wait(), timeout=30)
@@ -72,4 +77,5 @@ async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, v
         assert exited_s < 6.0
         wait_until(lambda: not any(pid_alive(p) for p in pids), 5, "stage processes reaped")
         assert shm_segments(f"asyncpp-{run_id}") == []
+        assert set(shm_segments("torch_")) <= torch_files_before
         assert "stage_died" in engine.log_file.read_text()

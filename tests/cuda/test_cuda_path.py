@@ -1,0 +1,177 @@
+"""The GPU path: CUDA stages, the CUDA IPC ring, CUDA graphs. Every test here needs a GPU (`cuda` mark).
+
+- greedy float32 (TF32 off) equals `transformers` on the same GPU;
+- pp = 1, 2, 3 (in-process and launched, through CUDA IPC) and graphs on/off give identical tokens;
+- the ring moves activations between two processes without host synchronisation, and a notice
+  with the wrong keys or too many tokens is refused while later steps still work;
+- bfloat16 on SmolLM2-135M's shape equals `transformers` bfloat16 for 32 tokens (first divergence printed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from asyncpp.client import AsyncClient
+from asyncpp.engine.engine import Engine
+from asyncpp.model.intermediate import INTERMEDIATE_KEYS
+from asyncpp.sampling.params import SamplingParams
+from asyncpp.transport import ActivationError, ActivationNotice, RingSpec, get_transport
+from asyncpp.weights import load_weights, read_arch, save_hf_directory
+from asyncpp.tokenizer.tokenizer import Tokenizer
+from tests.conftest import tiny_config, tiny_prompts
+from tests.cuda.ipc_peer import sender_main
+from tests.runtime.harness import launched, tiny_sections
+
+pytestmark = pytest.mark.cuda
+
+GREEDY_32 = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def cuda_config(model_dir, graphs: bool = True, **sections):
+    sections.setdefault("model", {})
+    sections["model"] = {"device": "cuda", "cuda_graphs": graphs, "cuda_graph_sizes": (1, 2, 4, 8), **sections["model"]}
+    return tiny_config(model_dir, **sections)
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt], device="cuda"),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_hf_dir):
+    return tiny_prompts(320, 8)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf_dir, prompts):
+    """pp = 1, graphs off: what every other configuration must give."""
+    return [r.token_ids for r in Engine(cuda_config(tiny_hf_dir, graphs=False)).generate(prompts, GREEDY_32)]
+
+
+def test_float32_greedy_equals_transformers_on_the_gpu(tiny_hf_dir, hf_tiny_model, prompts):
+    hf = copy.deepcopy(hf_tiny_model).to("cuda")
+    engine = Engine(cuda_config(tiny_hf_dir))
+    assert engine.executor.runners[0].graphs.capture  # really captured
+    for prompt, result in zip(prompts, engine.generate(prompts, GREEDY_32)):
+        assert result.token_ids == hf_greedy(hf, prompt, 32)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("pp_size,split", [(1, ()), (2, (2, 2)), (3, (1, 2, 1))])
+def test_pp_sizes_and_graphs_give_identical_tokens(tiny_hf_dir, prompts, reference, pp_size, split, graphs):
+    engine = Engine(cuda_config(tiny_hf_dir, graphs, parallel={"pp_size": pp_size, "layer_split": split}))
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == [ref[: p.max_tokens] for ref, p in zip(reference, params)]
+    if graphs:
+        assert all(sum(r.graphs.num_runs.values()) > 0 for r in engine.executor.runners)
+
+
+@pytest.mark.parametrize("pp_size,split", [(2, (2, 2)), (3, (1, 2, 1))])
+async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, tiny_hf_dir, prompts, reference, pp_size, split):
+    sections = tiny_sections(tiny_hf_dir, pp_size, split, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]})
+    with launched(tmp_path, sections) as engine:
+        client = AsyncClient(engine.address)
+        try:
+
+            async def one(prompt):
+                return [t async for d in client.generate(prompt, GREEDY_32) for t in d.token_ids]
+
+            results = await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            client.close()
+    assert results == reference
+    assert "cuda_graphs_captured" in engine.log_file.read_text()
+
+
+def _ring_spec(num_slots=2, max_tokens=64, hidden=96):
+    return RingSpec("cuda_ipc", "test", list(INTERMEDIATE_KEYS), num_slots, max_tokens, hidden, "bfloat16", "cuda:0", "cuda:0")
+
+
+def test_ipc_ring_between_processes_and_bad_notices():
+    receiver = get_transport("cuda_ipc").create_receiver(_ring_spec())
+    ctx = mp.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    peer = ctx.Process(target=sender_main, args=(receiver.spec, commands, replies))
+    peer.start()
+    try:
+        keys = list(INTERMEDIATE_KEYS)
+        for step_id in range(12):  # slots reused several times, every write checked in place
+            n = 1 + 5 * step_id
+            commands.put((step_id, n, 100 + step_id, keys))
+            kind, notice = replies.get(timeout=60)
+            assert kind == "notice" and notice.slot == step_id % 2 and notice.num_tokens == n
+            view = receiver.view(notice)
+            g = torch.Generator(device="cuda").manual_seed(100 + step_id)
+            for k in keys:
+                expected = torch.randn(n, 96, generator=g, device="cuda").to(torch.bfloat16)
+                assert torch.equal(view[k], expected), (step_id, k)
+            receiver.release(notice.slot)
+        # The sender refuses what the receiver would reject; the receiver refuses a forged notice.
+        commands.put((12, 65, 0, keys))
+        assert replies.get(timeout=60)[0] == "refused"
+        commands.put((12, 4, 0, ["hidden_states"]))
+        assert replies.get(timeout=60)[0] == "refused"
+        with pytest.raises(ActivationError, match="differ from the agreed"):
+            receiver.view(ActivationNotice(12, 0, 4, ["hidden_states", "residual", "extra"]))
+        with pytest.raises(ActivationError, match="do not fit"):
+            receiver.view(ActivationNotice(12, 0, 65, keys))
+        # ... and the next good step still goes through.
+        commands.put((12, 3, 7, keys))
+        kind, notice = replies.get(timeout=60)
+        view = receiver.view(notice)
+        g = torch.Generator(device="cuda").manual_seed(7)
+        assert torch.equal(view["hidden_states"], torch.randn(3, 96, generator=g, device="cuda").to(torch.bfloat16))
+    finally:
+        commands.put(None)
+        peer.join(timeout=30)
+        receiver.close()
+    assert peer.exitcode == 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape_dir(tmp_path_factory):
+    """SmolLM2-135M's shape with random weights, as an HF directory (the GGUF does not travel to the GPU)."""
+    directory = tmp_path_factory.mktemp("smollm2-shape")
+    arch = read_arch("random", "smollm2-135m")
+    tensors = load_weights("random", "smollm2-135m", start_layer=0, end_layer=arch.num_layers, need_embed=True, need_head=True)
+    save_hf_directory(directory, arch, tensors)
+    Tokenizer.byte_level(arch.vocab_size).save_hf(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_bfloat16_smollm2_shape_equals_transformers_bfloat16(smollm2_shape_dir):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_shape_dir, torch_dtype=torch.bfloat16).to("cuda").eval()
+    config = cuda_config(smollm2_shape_dir, model={"dtype": "bfloat16", "max_model_len": 512}, cache={"kv_cache_memory_mb": 256})
+    engine = Engine(config)
+    prompts = tiny_prompts(49152, 6, seed=3)
+    divergences = []
+    for prompt, result in zip(prompts, engine.generate(prompts, GREEDY_32)):
+        expected = hf_greedy(hf, prompt, 32)
+        first = next((i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b), None)
+        divergences.append(first)
+    print(f"\nfirst divergence per prompt (None = all 32 equal): {divergences}")
+    assert divergences == [None] * len(prompts)
