@@ -35,3 +35,11 @@ def check_devices(config: EngineConfig) -> tuple[str, ...]:
 
 def is_cuda(device: str | torch.device) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def indexed_device(device: str | torch.device) -> torch.device:
+    """`cuda` -> `cuda:<current>`: CUDA calls that take a device want its index."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,6 +1,6 @@
 """The reference point: the same prompts through `transformers` generate, static batches.
 
-Same model file (the GGUF through `from_pretrained(dir, gguf_file=...)`, or the
+Same model file and device (the GGUF through `from_pretrained(dir, gguf_file=...)`, or the
 HF directory), same dtype, greedy, left padding. A batch generates up to its
 longest requested output; with `ignore_eos` it is forced to (min_new_tokens).
 Only tokens a request asked for are counted: the rest of a static batch's
@@ -49,7 +49,7 @@ class HfResult:
         }
 
 
-def load_hf(source: str, path: str | None, dtype: str) -> tuple[Any, Any]:
+def load_hf(source: str, path: str | None, dtype: str, device: str = "cpu") -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -69,7 +69,7 @@ def load_hf(source: str, path: str | None, dtype: str) -> tuple[Any, Any]:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs).to(getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, **kwargs).to(getattr(torch, dtype)).to(device).eval()
     return tokenizer, model
 
 
@@ -85,7 +85,7 @@ def run_batches(
     t0 = time.perf_counter()
     for i in range(0, len(requests), batch_size):
         batch = requests[i : i + batch_size]
-        enc = tokenizer([_text(r.prompt, tokenizer) for r in batch], return_tensors="pt", padding=True)
+        enc = tokenizer([_text(r.prompt, tokenizer) for r in batch], return_tensors="pt", padding=True).to(model.device)
         max_new = max(r.output_len for r in batch)
         kwargs = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         if ignore_eos:
@@ -106,11 +106,12 @@ def compare(
     dtype: str,
     num_threads: int,
     ignore_eos: bool = True,
+    device: str = "cpu",
 ) -> list[HfResult]:
     previous = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
-        tokenizer, model = load_hf(source, path, dtype)
+        tokenizer, model = load_hf(source, path, dtype, device)
         results = []
         with torch.inference_mode():
             warm = [BenchRequest(r.prompt, 4) for r in requests[:2]]

@@ -19,6 +19,7 @@ from asyncpp.config import EngineConfig, config_from_dict
 ALIASES = {
     "pp": "parallel.pp_size",
     "threads": "parallel.num_threads",
+    "graphs": "model.cuda_graphs",
 }
 
 

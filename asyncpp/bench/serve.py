@@ -243,6 +243,7 @@ def compare_transformers(args, runs: list[dict], baseline: dict, requests) -> di
     results = compare(
         requests, sorted(set(batch_sizes)), source=model.get("source", "gguf"), path=model.get("path") or None,
         dtype=model.get("dtype", "bfloat16"), num_threads=num_threads, ignore_eos=args.ignore_eos,
+        device=model.get("device", "cpu"),
     )
     by_size = [r.to_dict() for r in results]
     best = max(by_size, key=lambda r: r["output_throughput"])

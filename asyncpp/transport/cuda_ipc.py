@@ -31,6 +31,7 @@ import dataclasses
 import msgpack
 import torch
 
+from asyncpp.device import indexed_device
 from asyncpp.dtypes import torch_dtype
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport, slot_views
@@ -49,10 +50,9 @@ def _event_on(device: torch.device) -> torch.cuda.Event:
 
 class CudaIpcReceiver:
     def __init__(self, spec: RingSpec) -> None:
-        self.device = torch.device(spec.device)
-        peer = torch.device(spec.peer_device)
-        if self.device.type != "cuda" or peer.type != "cuda":
+        if not (spec.device.startswith("cuda") and spec.peer_device.startswith("cuda")):
             raise ValueError(f"cuda_ipc needs CUDA stages, got ring on {spec.device!r}, sender on {spec.peer_device!r}")
+        self.device, peer = indexed_device(spec.device), indexed_device(spec.peer_device)
         self.ring = torch.zeros(_shape(spec), dtype=torch_dtype(spec.dtype), device=self.device)
         self.written = [_event_on(peer) for _ in range(spec.num_slots)]
         self.released = [_event_on(self.device) for _ in range(spec.num_slots)]
@@ -84,7 +84,7 @@ class CudaIpcReceiver:
 class CudaIpcSender:
     def __init__(self, spec: RingSpec) -> None:
         self.spec = spec
-        ring_device, self.device = torch.device(spec.device), torch.device(spec.peer_device)
+        ring_device, self.device = indexed_device(spec.device), indexed_device(spec.peer_device)
         handles = msgpack.unpackb(spec.handles, raw=False)
         torch.zeros(1, device=self.device)  # CUDA must be initialised before opening a handle (else it crashes)
         storage = torch.UntypedStorage._new_shared_cuda(*handles["storage"])

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole GPU check in one command, for a lent GPU machine (see ../shared/device/README.md):
+# CUDA tests, the hand-off benchmark, the serving benchmark (pp=1/2, graphs on/off, c = 1..256)
+# and transformers generate on the same GPU. Reports go to $OUT (default ./gpu-out).
+#
+#   ../shared/device/wheels.sh                # here, once: fills .whl (carry it)
+#   run: bash scripts/gpu_check.sh            # there, with carry [".whl"]
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+PY=python3
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+$PY -m asyncpp.weights.export_random smollm2-135m /tmp/smollm2-shape > /dev/null
+
+echo "== CUDA tests"
+timeout 400 $PY -m pytest -q -ra -m cuda -p no:cacheprovider tests > "$OUT/cuda_tests.txt" 2>&1
+tail -15 "$OUT/cuda_tests.txt"
+
+echo "== hand-off vs device copy"
+timeout 120 $PY -m asyncpp.bench.handoff --device cuda --result-json "$OUT/handoff.json" 2>&1 | tail -7
+
+echo "== serving benchmark"
+CFG=configs/gpu-smollm2-shape.toml
+RUNS="pp=1;pp=2;pp=1,graphs=false;pp=2,graphs=false"
+for c in 1 16 64 256; do
+  n=$(( c * 4 < 32 ? 32 : c * 4 ))
+  extra=()
+  if [ "$c" = 64 ]; then extra=(--compare transformers --compare-batch-sizes "1,64,256"); fi
+  timeout 600 $PY -m asyncpp.bench --config $CFG --runs "$RUNS" --max-concurrency $c --num-prompts $n \
+    --random-input-len 64 --random-output-len 128 --result-json "$OUT/serve_c$c.json" "${extra[@]}" \
+    > "$OUT/serve_c$c.txt" 2>&1
+  echo "-- concurrency $c"; grep -E "TPOT|output tok/s|Output token throughput|ratio|transformers" "$OUT/serve_c$c.txt" | head -20
+done
