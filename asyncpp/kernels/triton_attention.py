@@ -39,9 +39,12 @@ def triton_attention_kernel(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    block_size: int = 16,
 ) -> DecodeAttention | None:
-    """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`)."""
-    if not has_triton() or num_heads % num_kv_heads != 0:
+    """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`).
+
+    A block size that is not a power of two (Triton's tile sizes must be) gets None."""
+    if not has_triton() or num_heads % num_kv_heads != 0 or block_size & (block_size - 1):
         return None
     if torch.device(device).type != "cuda" and not is_interpreted():
         return None

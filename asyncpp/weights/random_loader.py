@@ -106,7 +106,15 @@ def random_tensor(config: str, arch: ModelArch, name: str) -> torch.Tensor:
         return values * (TIED_EMBED_STD if tied else 1.0)
     if name == LM_HEAD_NAME:
         return values * (HEAD_LOGIT_STD / math.sqrt(shape[1]))
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        # Writes into the residual stream: a deep model's stream would grow with depth.
+        return values * _residual_gain(arch) / math.sqrt(shape[1])
     return values / math.sqrt(shape[1])
+
+
+def _residual_gain(arch: ModelArch) -> float:
+    """1 up to 8 layers (the tiny models); deeper, the residual stream stays O(1) over all layers."""
+    return min(1.0, math.sqrt(8 / arch.num_layers))
 
 
 def _tied_head_gain(arch: ModelArch) -> float:

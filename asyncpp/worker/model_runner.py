@@ -80,7 +80,7 @@ class ModelRunner:
         if use_decode_kernel:  # the C kernel on CPU, the Triton one on CUDA; else torch's SDPA paths
             heads = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
             decode_kernel = decode_attention_kernel(self.device, dtype, *heads) or triton_attention_kernel(
-                self.device, dtype, *heads
+                self.device, dtype, *heads, block_size=block_size
             )
         self.decode_kernel = decode_kernel
         self.graphs: DecodeGraphs | None = None
@@ -147,6 +147,8 @@ class ModelRunner:
                     f"the plan has {inputs.num_tokens}"
                 )
             intermediate = intermediate.narrow(inputs.num_tokens)
+            if intermediate["hidden_states"].device != self.device:  # in-process stages on different GPUs
+                intermediate = IntermediateTensors({k: v.to(self.device) for k, v in intermediate.tensors.items()})
         size = self.graphs.padded_size(inputs, len(plan.scheduled)) if self.graphs is not None else None
         if size is not None:
             out = self.graphs.run(size, inputs, intermediate)
