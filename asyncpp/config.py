@@ -9,6 +9,7 @@ in separate objects and are never written back here.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 import types
 import typing
@@ -142,6 +143,29 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default
     port: int = 5557
     grace_period_s: float = 5.0
+    # The OpenAI-compatible HTTP server (asyncpp.http): 0 = none. Off loopback it needs an api_key.
+    http_port: int = 0
+    http_host: str = "127.0.0.1"
+    api_key: str = ""  # clients send "Authorization: Bearer <api_key>"; "" = no key
+    served_model_name: str = ""  # "" = named after the model file
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"server.http_port must be in 0..65535 (0 = no HTTP server), got {self.http_port}")
+        if self.http_port and not self.api_key and not is_loopback(self.http_host):
+            raise ConfigError(
+                f"server.http_host {self.http_host!r} is not loopback: set server.api_key (or --api-key) "
+                "so that only clients with the key are served"
+            )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 _KV_STORES = ("shm", "dir")

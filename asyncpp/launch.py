@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-level", help="debug | info | warning | error (default: info; warning with --prompt)")
     ap.add_argument("--log-file", help="write JSON log lines of every process to this file")
     ap.add_argument("--port", type=int, help="override server.port (0 = any free port)")
+    ap.add_argument("--http-port", type=int, help="serve the OpenAI API on this port (override server.http_port)")
+    ap.add_argument("--http-host", help="override server.http_host")
+    ap.add_argument("--api-key", help="require this key from HTTP clients (override server.api_key)")
     ap.add_argument("--prompt", help="one-shot: stream one chat answer to this prompt, then exit")
     ap.add_argument("--max-tokens", type=int, default=128, help="one-shot answer length limit")
     return ap.parse_args(argv)
@@ -110,6 +113,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     capacity = resolve_capacity(config, arch)
     addresses = RunAddresses.create()
     server = None
+    http = None
     kv_connector = None
     try:
         # Before any stage starts: a bad connector name or store fails here, naming its key.
@@ -152,6 +156,9 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain_and_stop()))
+        if config.server.http_port:
+            http = await start_http(ns.config, config, router.address, ns)
+            print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
         print(f"asyncpp ready: clients connect to {router.address}", file=sys.stderr, flush=True)
         with profiled("engine"):
@@ -164,12 +171,54 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
                 return code if ok else 1
             return await serving
     finally:
+        if http is not None:
+            await stop_http(http)
         if server is not None:
             server.router.close()
         await stages.shutdown()
         if kv_connector is not None:
             kv_connector.close()  # after the stages: it removes what a killed stage left behind
         log.info("engine_stopped")
+
+
+HTTP_READY_TIMEOUT_S = 120.0
+
+
+def http_url(config: EngineConfig) -> str:
+    host = config.server.http_host
+    return f"http://{'[' + host + ']' if ':' in host else host}:{config.server.http_port}"
+
+
+async def start_http(config_path: str, config: EngineConfig, engine_address: str, ns) -> asyncio.subprocess.Process:
+    """Start `python -m asyncpp.http` and wait until its port accepts connections."""
+    s = config.server
+    args = [sys.executable, "-m", "asyncpp.http", "--config", config_path, "--engine", engine_address,
+            "--host", s.http_host, "--port", str(s.http_port), "--log-level", "warning"]  # fmt: skip
+    if s.api_key:
+        args += ["--api-key", s.api_key]
+    proc = await asyncio.create_subprocess_exec(*args)
+    deadline = time.monotonic() + HTTP_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.returncode is not None:
+            raise RuntimeError(f"the HTTP server exited with {proc.returncode} at start-up")
+        try:
+            _, writer = await asyncio.open_connection(s.http_host, s.http_port)
+            writer.close()
+            return proc
+        except OSError:
+            await asyncio.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"the HTTP server did not listen on {http_url(config)} within {HTTP_READY_TIMEOUT_S:.0f} s")
+
+
+async def stop_http(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 5.0)
+        except asyncio.TimeoutError:
+            proc.kill()
+            await proc.wait()
 
 
 async def one_shot(address: str, prompt: str, max_tokens: int) -> bool:
@@ -194,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
     try:
         config = load_config(ns.config)
+        server = {k: v for k, v in (("http_port", ns.http_port), ("http_host", ns.http_host), ("api_key", ns.api_key)) if v is not None}
+        if server:
+            config = config.replace(server=server)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

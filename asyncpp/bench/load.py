@@ -25,6 +25,7 @@ from typing import Any
 from asyncpp.bench.cpu import CpuSnapshot
 from asyncpp.bench.datasets import BenchRequest
 from asyncpp.bench.metrics import RequestRecord, TokenTimer
+from asyncpp.bench.openai_backend import OpenAIBackend
 from asyncpp.client import AsyncClient
 
 NUM_WARMUP_REQUESTS = 2
@@ -76,9 +77,10 @@ async def send_one(client: AsyncClient, request: BenchRequest, params: dict[str,
     return record
 
 
-async def warm_up(client: AsyncClient, requests: Sequence[BenchRequest], temperature: float) -> None:
+async def warm_up(send: Callable[[BenchRequest, dict[str, Any]], Awaitable[RequestRecord]],
+                  requests: Sequence[BenchRequest], temperature: float) -> None:  # fmt: skip
     params = sampling_params(WARMUP_OUTPUT_LEN, True, temperature)
-    records = await asyncio.gather(*(send_one(client, r, params) for r in requests[:NUM_WARMUP_REQUESTS]))
+    records = await asyncio.gather(*(send(r, params) for r in requests[:NUM_WARMUP_REQUESTS]))
     failed = [r.error for r in records if not r.is_ok]
     if failed:
         raise RuntimeError(f"warm-up request failed: {failed[0]}")
@@ -137,15 +139,25 @@ async def run_load(
     burst_gap_s: float = 0.0,
     on_start: Callable[[], None] = lambda: None,
     on_done: Callable[[RequestRecord], None] = lambda r: None,
+    backend: OpenAIBackend | None = None,
 ) -> LoadResult:
-    client = AsyncClient(address)
+    """Through the native client, or through `backend` (HTTP) when given. Engine stats come from
+    `address` (the native client); with no address (an outside server) they are empty."""
+    client = AsyncClient(address) if address else None
+
+    async def stats() -> dict[str, Any]:
+        return await client.stats() if client is not None else {}
+
+    def send_with(request: BenchRequest, params: dict[str, Any]) -> Awaitable[RequestRecord]:
+        return backend.send(request, params) if backend is not None else send_one(client, request, params)
+
     try:
-        await warm_up(client, warmup_requests, temperature)
-        stats_before = await client.stats()
+        await warm_up(send_with, warmup_requests, temperature)
+        stats_before = await stats()
         cpu_before = CpuSnapshot.take(stats_before.get("stage_pids", []))
 
         async def send(request: BenchRequest) -> RequestRecord:
-            return await send_one(client, request, sampling_params(request.output_len, ignore_eos, temperature))
+            return await send_with(request, sampling_params(request.output_len, ignore_eos, temperature))
 
         on_start()
         started = time.monotonic()
@@ -154,8 +166,11 @@ async def run_load(
             burst_size=burst_size, burst_gap_s=burst_gap_s, on_done=on_done,
         )
         finished = max((r.sent_at + r.e2e_s for r in records if r.e2e_s is not None), default=time.monotonic())
-        stats_after = await client.stats()
+        stats_after = await stats()
         cpu_after = CpuSnapshot.take(stats_after.get("stage_pids", []))
         return LoadResult(records, finished - started, stats_before, stats_after, cpu_before, cpu_after)
     finally:
-        client.close()
+        if client is not None:
+            client.close()
+        if backend is not None:
+            await backend.aclose()

@@ -21,11 +21,15 @@ def triple(m: dict[str, Any], name: str, digits: int = 1) -> str:
     return " / ".join(fmt(m.get(f"{k}_{name}_ms"), digits) for k in ("mean", "p50", "p99"))
 
 
-def run_block(run: dict[str, Any]) -> str:
-    m, st = run["metrics"], run["stages"]
-    cores = f"{run['num_cores']} core" + ("s" if run["num_cores"] != 1 else "")
-    lines = [f" Serving benchmark: {run['label']} ({cores}) ".center(WIDTH, "=")]
+def external_block(run: dict[str, Any]) -> str:
+    """A server we did not launch (`--base-url`): the client-side serving metrics only."""
+    lines = [f" Serving benchmark: {run['label']} (model {run['model']}) ".center(WIDTH, "=")]
+    _metric_lines(lines, run["metrics"])
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
 
+
+def _metric_lines(lines: list[str], m: dict[str, Any]) -> None:
     def row(name: str, value: Any) -> None:
         lines.append(f"{name:<40}{value:>20}")
 
@@ -46,6 +50,18 @@ def run_block(run: dict[str, Any]) -> str:
             if f"ttft_{kind}_ms" in m:
                 split = m[f"ttft_{kind}_ms"]
                 row(f"P50 / P99 TTFT {kind}, {split['count']} req (ms):", _p50_p99(split))
+
+
+def run_block(run: dict[str, Any]) -> str:
+    m, st = run["metrics"], run["stages"]
+    cores = f"{run['num_cores']} core" + ("s" if run["num_cores"] != 1 else "")
+    via = f", via {run['backend']}" if run.get("backend", "native") != "native" else ""
+    lines = [f" Serving benchmark: {run['label']} ({cores}{via}) ".center(WIDTH, "=")]
+
+    def row(name: str, value: Any) -> None:
+        lines.append(f"{name:<40}{value:>20}")
+
+    _metric_lines(lines, m)
     lines.append(" Pipeline stages (measured window) ".center(WIDTH, "-"))
     for rank, busy in enumerate(st["busy_fraction"]):
         row(f"Stage {rank} busy fraction:", fmt(busy, 3))

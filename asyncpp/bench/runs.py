@@ -20,6 +20,7 @@ ALIASES = {
     "pp": "parallel.pp_size",
     "threads": "parallel.num_threads",
     "graphs": "model.cuda_graphs",
+    "backend": "bench.backend",  # not a config key: how the bench talks to this run (native | openai)
 }
 
 
@@ -27,6 +28,13 @@ ALIASES = {
 class RunSpec:
     label: str
     overrides: tuple[tuple[str, Any], ...]  # (dotted key, value)
+
+    def backend(self, default: str) -> str:
+        """`native` (AsyncClient) or `openai` (the HTTP front end): `backend=...` in the run, else `default`."""
+        value = dict(self.overrides).get("bench.backend", default)
+        if value not in ("native", "openai"):
+            raise ValueError(f"run {self.label!r}: backend must be native or openai, got {value!r}")
+        return value
 
 
 def parse_runs(text: str | None) -> list[RunSpec]:
@@ -58,6 +66,8 @@ def run_sections(base_toml: str | Path, run: RunSpec) -> dict[str, dict[str, Any
     sections = tomllib.loads(Path(base_toml).read_text())
     for key, value in run.overrides:
         section, name = key.split(".")
+        if section == "bench":
+            continue
         sections.setdefault(section, {})[name] = value
     parallel = sections.setdefault("parallel", {})
     split = parallel.get("layer_split") or []

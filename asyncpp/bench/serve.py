@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import socket
 import math
 import os
 import platform
@@ -55,6 +56,7 @@ from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
 from asyncpp.bench.kv_report import kv_section
 from asyncpp.bench.load import LoadResult, run_load
+from asyncpp.bench.openai_backend import OpenAIBackend
 from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
 from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
@@ -96,6 +98,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="generate exactly the output length (default: on)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--backend", choices=("native", "openai"), default="native",
+                    help="how requests reach each launched engine: the msgpack client or the OpenAI HTTP API")
+    ap.add_argument("--base-url", help="benchmark this OpenAI-compatible server (vLLM, llama-server, ...) "
+                    "instead of launching engines, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--model", help="with --base-url: the model name to send (default: the first of /v1/models)")
+    ap.add_argument("--api-key", help="with --base-url: sent as Authorization: Bearer")
     ap.add_argument("--compare", choices=("transformers",), help="also run the requests through transformers generate")
     ap.add_argument("--compare-batch-sizes", default="16,all", help="transformers static batch sizes (all = every prompt)")
     ap.add_argument("--compare-threads", type=int, help="transformers torch threads (default: the baseline run's cores)")
@@ -137,6 +145,9 @@ def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[Be
 
 def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_path: Path) -> dict[str, Any]:
     sections = run_sections(args.config, run)
+    backend = run.backend(args.backend)
+    if backend == "openai":
+        sections.setdefault("server", {}).update(http_port=free_port(), http_host="127.0.0.1")
     config = validate(sections)
     config_path.write_text(to_toml(sections))
     bars: list[Progress] = []  # started when the measured requests start, not at engine launch
@@ -147,6 +158,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
             load = uvloop.run(
                 run_load(
                     engine.address, requests, warmup,
+                    backend=OpenAIBackend(f"http://127.0.0.1:{config.server.http_port}") if backend == "openai" else None,
                     max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
                     ignore_eos=args.ignore_eos, temperature=args.temperature,
                     burst_size=args.burst_size, burst_gap_s=args.burst_gap_s,
@@ -165,6 +177,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
     after = load.stats_after
     return {
         "label": run.label,
+        "backend": backend,
         "overrides": {k: v for k, v in run.overrides},
         "config": sections,
         "pp_size": config.parallel.pp_size,
@@ -289,7 +302,35 @@ def repetition_ratios(repetition: list[dict], base: int) -> list[dict]:
     return rows
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_external(args: argparse.Namespace, requests, warmup) -> dict[str, Any]:
+    """One run against a server we did not launch: client-side metrics only."""
+    backend = OpenAIBackend(args.base_url, args.model, args.api_key)
+    load = uvloop.run(
+        run_load(
+            "", requests, warmup, backend=backend,
+            max_concurrency=args.max_concurrency, request_rate=args.request_rate, seed=args.seed,
+            ignore_eos=args.ignore_eos, temperature=args.temperature,
+            burst_size=args.burst_size, burst_gap_s=args.burst_gap_s,
+        )
+    )  # fmt: skip
+    metrics = serving_metrics(load.records, load.duration_s)
+    return {"label": args.base_url, "backend": "openai", "model": backend.model, "metrics": metrics,
+            "requests": [r.to_dict() for r in load.records]}  # fmt: skip
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.base_url:
+        requests, warmup = make_requests(args)
+        run = bench_external(args, requests, warmup)
+        print(report.external_block(run), flush=True)
+        return {"args": _plain(vars(args)), "machine": machine_info(), "num_requests": len(requests), "runs": [run],
+                "external": True}  # fmt: skip
     specs = parse_runs(args.runs)
     base = pick_baseline(specs, args.baseline)  # before any engine starts: a bad --baseline costs nothing
     requests, warmup = make_requests(args)
@@ -329,8 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     finally:
         restore()
-    print(report.summary_table(result))
-    print(report.ratio_lines(result), flush=True)
+    if not result.get("external"):
+        print(report.summary_table(result))
+        print(report.ratio_lines(result), flush=True)
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
         print(f"results written to {args.result_json}")

@@ -30,6 +30,10 @@ class InputProcessor:
         self._check_lengths(len(prompt_token_ids), params.max_tokens)
         return prompt_token_ids
 
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids (a chat gets the template); `InvalidRequestError` if unusable."""
+        return self._tokenize(prompt)
+
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

@@ -1,0 +1,75 @@
+"""`python -m asyncpp.http --config FILE --engine ADDRESS`: the OpenAI-compatible HTTP server.
+
+The launcher starts it when `server.http_port` (or `--http-port`) is set; it
+can also be started by hand next to a running engine. It tokenizes with the
+config's model and talks to the engine through `AsyncClient`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import uvicorn
+
+from asyncpp.config import ConfigError, EngineConfig, load_config
+from asyncpp.engine.input_processor import InputProcessor
+from asyncpp.http.app import HttpSettings, build_app
+from asyncpp.logging import configure_logging
+from asyncpp.tokenizer import load_tokenizer
+from asyncpp.weights import read_arch
+
+
+def served_model_name(config: EngineConfig) -> str:
+    if config.server.served_model_name:
+        return config.server.served_model_name
+    m = config.model
+    if m.source == "gguf" and not m.path:
+        return "SmolLM2-135M-Instruct"
+    if m.source == "random":
+        return m.path or "tiny-llama"
+    path = pathlib.Path(m.path)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m asyncpp.http", description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--engine", required=True, help="the engine's client address, e.g. tcp://127.0.0.1:5557")
+    ap.add_argument("--host", help="override server.http_host")
+    ap.add_argument("--port", type=int, help="override server.http_port")
+    ap.add_argument("--api-key", help="override server.api_key")
+    ap.add_argument("--log-level", default="warning")
+    ns = ap.parse_args(argv)
+    configure_logging("console", ns.log_level, None)
+    try:
+        config = with_http_overrides(load_config(ns.config), ns.host, ns.port, ns.api_key)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    arch = read_arch(config.model.source, config.model.path_or_none)
+    tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
+    processor = InputProcessor(tokenizer, arch.vocab_size, config.model.max_model_len)
+    settings = HttpSettings(ns.engine, served_model_name(config), config.model.max_model_len, config.server.api_key or None)
+    app = build_app(settings, processor)
+    uvicorn.run(
+        app, host=config.server.http_host, port=config.server.http_port, log_level=ns.log_level,
+        loop="uvloop", access_log=False, timeout_graceful_shutdown=2,
+    )  # fmt: skip
+    return 0
+
+
+def with_http_overrides(config: EngineConfig, host: str | None, port: int | None, api_key: str | None) -> EngineConfig:
+    server = {}
+    if host is not None:
+        server["http_host"] = host
+    if port is not None:
+        server["http_port"] = port
+    if api_key is not None:
+        server["api_key"] = api_key
+    return config.replace(server=server) if server else config
+
+
+if __name__ == "__main__":
+    sys.exit(main())

