@@ -57,10 +57,6 @@ class ModelConfig:
             raise ConfigError(f"model.cuda_graph_sizes must be increasing and distinct, got {list(self.cuda_graph_sizes)}")
 
     @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    @property
     def path_or_none(self) -> str | None:
         return self.path or None
 
@@ -243,6 +239,15 @@ class EngineConfig:
             current = getattr(self, name)
             updated[name] = dataclasses.replace(current, **value) if isinstance(value, dict) else value
         return dataclasses.replace(self, **updated)
+
+
+def with_http_overrides(
+    config: EngineConfig, http_host: str | None = None, http_port: int | None = None, api_key: str | None = None
+) -> EngineConfig:
+    """`config` with the HTTP server settings given on a command line (None: keep the file's)."""
+    given = {"http_host": http_host, "http_port": http_port, "api_key": api_key}
+    server = {k: v for k, v in given.items() if v is not None}
+    return config.replace(server=server) if server else config
 
 
 def load_config(path: str | Path) -> EngineConfig:

@@ -21,7 +21,7 @@ import torch
 import uvloop
 
 from asyncpp.client import AsyncClient
-from asyncpp.config import ConfigError, EngineConfig, load_config
+from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices
 from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
 from asyncpp.kv_transfer.base import ConnectorContext
@@ -242,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         ns.log_level = "warning" if ns.prompt is not None else "info"
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
     try:
-        config = load_config(ns.config)
-        server = {k: v for k, v in (("http_port", ns.http_port), ("http_host", ns.http_host), ("api_key", ns.api_key)) if v is not None}
-        if server:
-            config = config.replace(server=server)
+        config = with_http_overrides(load_config(ns.config), ns.http_host, ns.http_port, ns.api_key)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,14 +21,15 @@ import time
 
 import torch
 
+from asyncpp.device import indexed_device, is_cuda
 from asyncpp.dtypes import torch_dtype
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS, IntermediateTensors
 from asyncpp.transport import RingSpec, get_transport, transport_for
 
 
 def _receiver_main(spec: RingSpec, specs_out, stop) -> None:
-    if spec.device.startswith("cuda"):
-        torch.cuda.set_device(0 if spec.device == "cuda" else torch.device(spec.device).index)
+    if is_cuda(spec.device):
+        torch.cuda.set_device(indexed_device(spec.device))
     receiver = get_transport(spec.transport).create_receiver(spec)
     specs_out.put(receiver.spec)
     stop.get()

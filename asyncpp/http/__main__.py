@@ -13,7 +13,7 @@ import sys
 
 import uvicorn
 
-from asyncpp.config import ConfigError, EngineConfig, load_config
+from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.engine.input_processor import InputProcessor
 from asyncpp.http.app import HttpSettings, build_app
 from asyncpp.logging import configure_logging
@@ -58,17 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         loop="uvloop", access_log=False, timeout_graceful_shutdown=2,
     )  # fmt: skip
     return 0
-
-
-def with_http_overrides(config: EngineConfig, host: str | None, port: int | None, api_key: str | None) -> EngineConfig:
-    server = {}
-    if host is not None:
-        server["http_host"] = host
-    if port is not None:
-        server["http_port"] = port
-    if api_key is not None:
-        server["api_key"] = api_key
-    return config.replace(server=server) if server else config
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
     async def on_api_error(request: Request, e: ApiError) -> JSONResponse:
         return e.response()
 
-    @app.exception_handler(InvalidRequestError)
+    @app.exception_handler(InvalidRequestError)  # from the tokenizer or the request's own checks
     async def on_invalid_request(request: Request, e: InvalidRequestError) -> JSONResponse:
         return invalid(e).response()
 
@@ -146,33 +146,24 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
-        prompt_ids = tokenize(req.engine_prompt())
+        prompt_ids = processor.tokenize(req.engine_prompt())
         params = req.sampling_dict(default_max_tokens(req.max_tokens, prompt_ids), req.logprobs)
-        return await serve(request, req, prompt_ids, params, chat=False)
+        return await serve(req, prompt_ids, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
-        try:
-            logprobs = req.logprobs_count()
-        except InvalidRequestError as e:
-            raise invalid(e) from e
-        prompt_ids = tokenize(req.engine_prompt())
+        logprobs = req.logprobs_count()
+        prompt_ids = processor.tokenize(req.engine_prompt())
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_dict(default_max_tokens(max_tokens, prompt_ids), logprobs)
-        return await serve(request, req, prompt_ids, params, chat=True)
-
-    def tokenize(prompt) -> list[int]:
-        try:
-            return processor.tokenize(prompt)
-        except InvalidRequestError as e:
-            raise invalid(e) from e
+        return await serve(req, prompt_ids, params, chat=True)
 
     def default_max_tokens(max_tokens: int | None, prompt_ids: list[int]) -> int:
         """Unset: the rest of the context (at least 1, so that an over-long prompt is refused by its length)."""
         return max_tokens if max_tokens is not None else max(1, settings.max_model_len - len(prompt_ids))
 
-    async def serve(request: Request, req, prompt_ids: list[int], params: dict[str, Any], chat: bool) -> Response:
+    async def serve(req, prompt_ids: list[int], params: dict[str, Any], chat: bool) -> Response:
         client = state["client"]
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())

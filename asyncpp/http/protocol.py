@@ -46,7 +46,7 @@ class _Common(BaseModel):
         params: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": -1 if self.top_k == -1 else self.top_k,
+            "top_k": self.top_k,
             "min_p": self.min_p,
             "seed": self.seed,
             "stop": stop,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncpp.core.plan import StepPlan
-from asyncpp.device import indexed_device
+from asyncpp.device import indexed_device, is_cuda
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_worker_connector
 from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
@@ -87,7 +87,7 @@ def stage_main(args: StageArgs) -> None:
     _die_with_launcher()
     configure_logging(args.log_format, args.log_level, args.log_file)
     torch.set_num_threads(args.num_threads)
-    if args.device.startswith("cuda"):
+    if is_cuda(args.device):
         torch.cuda.set_device(indexed_device(args.device))
     if args.nice:
         os.nice(args.nice)

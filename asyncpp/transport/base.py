@@ -86,9 +86,26 @@ def get_transport(name: str) -> Transport:
     return TRANSPORTS[name]
 
 
+def ring_shape(spec: RingSpec) -> tuple[int, int, int, int]:
+    """`[num_slots, num_keys, max_num_tokens, hidden_size]`, the layout of every transport's ring."""
+    return (spec.num_slots, len(spec.keys), spec.max_num_tokens, spec.hidden_size)
+
+
+def outgoing_notice(spec: RingSpec, step_id: int, tensors: IntermediateTensors) -> ActivationNotice:
+    """The notice for writing `tensors` of `step_id`; refuses (like the receiver would) what does not fit."""
+    notice = ActivationNotice(step_id, step_id % spec.num_slots, tensors.num_tokens, list(tensors.keys()))
+    check_notice(spec, notice)
+    return notice
+
+
 def slot_views(ring, spec: RingSpec, slot: int, num_tokens: int) -> IntermediateTensors:
     """The first `num_tokens` rows of every key of `slot` of a `[slots, keys, tokens, hidden]` ring."""
     return IntermediateTensors({k: ring[slot, i, :num_tokens] for i, k in enumerate(spec.keys)})
+
+
+def full_slots(ring, spec: RingSpec) -> list[IntermediateTensors]:
+    """Every slot at full size: the addresses a receiver's CUDA graphs read."""
+    return [slot_views(ring, spec, s, spec.max_num_tokens) for s in range(spec.num_slots)]
 
 
 def check_notice(spec: RingSpec, notice: ActivationNotice) -> None:

@@ -31,14 +31,19 @@ import dataclasses
 import msgpack
 import torch
 
-from asyncpp.device import indexed_device
+from asyncpp.device import indexed_device, is_cuda
 from asyncpp.dtypes import torch_dtype
 from asyncpp.model.intermediate import IntermediateTensors
-from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport, slot_views
-
-
-def _shape(spec: RingSpec) -> tuple[int, int, int, int]:
-    return (spec.num_slots, len(spec.keys), spec.max_num_tokens, spec.hidden_size)
+from asyncpp.transport.base import (
+    ActivationNotice,
+    RingSpec,
+    check_notice,
+    full_slots,
+    outgoing_notice,
+    register_transport,
+    ring_shape,
+    slot_views,
+)
 
 
 def _event_on(device: torch.device) -> torch.cuda.Event:
@@ -50,10 +55,10 @@ def _event_on(device: torch.device) -> torch.cuda.Event:
 
 class CudaIpcReceiver:
     def __init__(self, spec: RingSpec) -> None:
-        if not (spec.device.startswith("cuda") and spec.peer_device.startswith("cuda")):
+        if not (is_cuda(spec.device) and is_cuda(spec.peer_device)):
             raise ValueError(f"cuda_ipc needs CUDA stages, got ring on {spec.device!r}, sender on {spec.peer_device!r}")
         self.device, peer = indexed_device(spec.device), indexed_device(spec.peer_device)
-        self.ring = torch.zeros(_shape(spec), dtype=torch_dtype(spec.dtype), device=self.device)
+        self.ring = torch.zeros(ring_shape(spec), dtype=torch_dtype(spec.dtype), device=self.device)
         self.written = [_event_on(peer) for _ in range(spec.num_slots)]
         self.released = [_event_on(self.device) for _ in range(spec.num_slots)]
         torch.cuda.synchronize(self.device)
@@ -73,7 +78,7 @@ class CudaIpcReceiver:
         self.released[slot].record(torch.cuda.current_stream(self.device))
 
     def slots(self) -> list[IntermediateTensors]:
-        return [slot_views(self.ring, self.spec, s, self.spec.max_num_tokens) for s in range(self.spec.num_slots)]
+        return full_slots(self.ring, self.spec)
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -88,16 +93,14 @@ class CudaIpcSender:
         handles = msgpack.unpackb(spec.handles, raw=False)
         torch.zeros(1, device=self.device)  # CUDA must be initialised before opening a handle (else it crashes)
         storage = torch.UntypedStorage._new_shared_cuda(*handles["storage"])
-        shape = _shape(spec)
+        shape = ring_shape(spec)
         strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
         self.ring = torch.empty(0, dtype=torch_dtype(spec.dtype), device=ring_device).set_(storage, 0, shape, strides)
         self.written = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles["written"]]
         self.released = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in handles["released"]]
 
     def write(self, step_id: int, tensors: IntermediateTensors) -> ActivationNotice:
-        keys = list(tensors.keys())
-        notice = ActivationNotice(step_id, step_id % self.spec.num_slots, tensors.num_tokens, keys)
-        check_notice(self.spec, notice)  # refuse to write what the receiver would reject
+        notice = outgoing_notice(self.spec, step_id, tensors)
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(self.released[notice.slot])  # the receiver's last read of this slot is done
         slot = slot_views(self.ring, self.spec, notice.slot, notice.num_tokens)

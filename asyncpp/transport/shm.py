@@ -8,25 +8,32 @@ stage (so also the reader) has finished it.
 
 from __future__ import annotations
 
+import math
 from multiprocessing import shared_memory
 
 import torch
 
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.dtypes import torch_dtype
-from asyncpp.transport.base import ActivationNotice, RingSpec, check_notice, register_transport, slot_views
+from asyncpp.transport.base import (
+    ActivationNotice,
+    RingSpec,
+    check_notice,
+    full_slots,
+    outgoing_notice,
+    register_transport,
+    ring_shape,
+    slot_views,
+)
 
 
 def _ring_tensor(shm: shared_memory.SharedMemory, spec: RingSpec) -> torch.Tensor:
-    dtype = torch_dtype(spec.dtype)
-    shape = (spec.num_slots, len(spec.keys), spec.max_num_tokens, spec.hidden_size)
-    numel = shape[0] * shape[1] * shape[2] * shape[3]
-    return torch.frombuffer(shm.buf, dtype=dtype, count=numel).view(shape)
+    shape = ring_shape(spec)
+    return torch.frombuffer(shm.buf, dtype=torch_dtype(spec.dtype), count=math.prod(shape)).view(shape)
 
 
 def ring_nbytes(spec: RingSpec) -> int:
-    elem = torch_dtype(spec.dtype).itemsize
-    return spec.num_slots * len(spec.keys) * spec.max_num_tokens * spec.hidden_size * elem
+    return math.prod(ring_shape(spec)) * torch_dtype(spec.dtype).itemsize
 
 
 class ShmReceiver:
@@ -44,7 +51,7 @@ class ShmReceiver:
         """Nothing to do: the CPU forward that read the slot is over when this is called."""
 
     def slots(self) -> list[IntermediateTensors]:
-        return [slot_views(self.ring, self.spec, s, self.spec.max_num_tokens) for s in range(self.spec.num_slots)]
+        return full_slots(self.ring, self.spec)
 
     def close(self) -> None:
         del self.ring
@@ -65,12 +72,10 @@ class ShmSender:
         self.ring = _ring_tensor(self._shm, spec)
 
     def write(self, step_id: int, tensors: IntermediateTensors) -> ActivationNotice:
-        keys = list(tensors.keys())
-        notice = ActivationNotice(step_id, step_id % self.spec.num_slots, tensors.num_tokens, keys)
-        check_notice(self.spec, notice)  # refuse to write what the receiver would reject
-        slot = self.ring[notice.slot]
-        for i, key in enumerate(self.spec.keys):
-            slot[i, : notice.num_tokens].copy_(tensors[key])
+        notice = outgoing_notice(self.spec, step_id, tensors)
+        slot = slot_views(self.ring, self.spec, notice.slot, notice.num_tokens)
+        for key in self.spec.keys:
+            slot[key].copy_(tensors[key])
         return notice
 
     def close(self) -> None:

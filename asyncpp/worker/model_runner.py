@@ -64,12 +64,12 @@ class ModelRunner:
         use_decode_kernel: bool = True,
         kv_connector: KVConnectorWrapper | None = None,
         graph_sizes: tuple[int, ...] = (),
-        capture_graphs: bool = True,
         max_model_len: int = 0,
         pad_slot: int | None = None,
     ) -> None:
-        """`graph_sizes`: decode batch sizes run from static buffers (CUDA graphs when `capture_graphs`);
-        they need the decode kernel, `max_model_len` and a `pad_slot` past the engine's blocks."""
+        """`graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
+        plain replays on CPU); they need the decode kernel, `max_model_len` and a `pad_slot` past the
+        engine's blocks."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
@@ -85,7 +85,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.graphs: DecodeGraphs | None = None
         self.graph_sizes = tuple(graph_sizes) if decode_kernel is not None else ()
-        self.capture_graphs, self.max_model_len, self.pad_slot = capture_graphs, max_model_len, pad_slot
+        self.max_model_len, self.pad_slot = max_model_len, pad_slot
         self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
         self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
         self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
@@ -101,8 +101,7 @@ class ModelRunner:
 
     def build_graphs(self, input_slots: list[IntermediateTensors] | None = None) -> None:
         """Capture the decode graphs (a non-first stage: reading `input_slots`, else a buffer of its own)."""
-        sizes = tuple(b for b in self.graph_sizes if b <= self.max_num_batched_tokens)
-        if not sizes:
+        if not self.graph_sizes:
             return
         if self.pad_slot is None or self.max_model_len <= 0:
             raise ValueError("decode graphs need a padding slot and max_model_len")
@@ -114,14 +113,14 @@ class ModelRunner:
             self.model,
             self.kv_caches,
             self.decode_kernel,
-            sizes=sizes,
+            sizes=self.graph_sizes,
             block_size=self.block_size,
             max_blocks_per_req=-(-self.max_model_len // self.block_size),
             pad_slot=self.pad_slot,
             input_slots=input_slots,
             copy_inputs=copy_inputs,
             device=self.device,
-            capture=self.capture_graphs and self.device.type == "cuda",  # CPU: static buffers, no graphs
+            capture=self.device.type == "cuda",  # CPU: the same static buffers, no graphs
         )
         self.graphs.capture_all()
 

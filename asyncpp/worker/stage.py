@@ -70,9 +70,12 @@ def decode_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
     """The decode batch sizes a stage on `device` captures CUDA graphs for (none on CPU)."""
     if not (is_cuda(device) and config.model.cuda_graphs):
         return ()
-    return tuple(b for b in config.model.cuda_graph_sizes if b <= config.scheduler.max_num_seqs) or (
-        config.model.cuda_graph_sizes[0],
-    )
+    sizes, max_tokens = config.model.cuda_graph_sizes, config.scheduler.max_num_batched_tokens
+    fitting = tuple(b for b in sizes if b <= min(config.scheduler.max_num_seqs, max_tokens))
+    if fitting:
+        return fitting
+    # Every size is over max_num_seqs: the smallest still serves every decode step, padded.
+    return tuple(sizes[:1]) if sizes and sizes[0] <= max_tokens else ()
 
 
 def stage_num_blocks(arch: ModelArch, num_layers: int, budget_mb: int, block_size: int, dtype: torch.dtype) -> int:
@@ -96,7 +99,6 @@ def build_runner(
     device: str,
     kv_connector: KVConnectorWorker | None = None,
     graph_sizes: tuple[int, ...] = (),
-    capture_graphs: bool = True,
     max_model_len: int = 0,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
@@ -113,7 +115,6 @@ def build_runner(
         device=device,
         kv_connector=KVConnectorWrapper(kv_connector),
         graph_sizes=graph_sizes,
-        capture_graphs=capture_graphs,
         max_model_len=max_model_len,
         pad_slot=num_blocks * block_size if graph_sizes else None,
     )
