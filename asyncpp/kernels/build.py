@@ -2,7 +2,10 @@
 
 The shared object is cached under `$ASYNCPP_KERNEL_CACHE` (default
 `~/.cache/asyncpp/kernels`), named by a hash of the source and the package's
-headers, the compiler, the flags and the CPU's feature flags (it is built with `-march=native`). Writers
+headers, the compiler and the flags. It is built for one ISA level
+(`asyncpp.kernels.isa`: `generic`, `avx2`, `avx512`, `avx512_bf16`), whose
+flags are part of the key, so forcing a lower level on a machine that runs a
+higher one loads another library, never the native one. Writers
 race safely: each compiles to a private temporary file and renames it into
 place. OpenMP comes from the `libgomp.so.1` that torch has already loaded, so
 kernels and torch share one thread pool.
@@ -26,9 +29,10 @@ from pathlib import Path
 
 import torch
 
+from asyncpp.kernels.isa import compile_flags, cpu_info
 from asyncpp.logging import get_logger
 
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 DISABLE_ENV = "ASYNCPP_DISABLE_KERNELS"
 # The dtype codes kernels that take float32 or bfloat16 rows expect: the DTYPE_* enum in cpu_vec.h.
 VEC_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -39,9 +43,9 @@ def kernel_cache_dir() -> Path:
 
 
 @functools.cache
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """Load `asyncpp/kernels/<name>.c` as a shared library, compiling it on first use."""
-    log = get_logger(role="kernels", kernel=name)
+def load_kernel_library(name: str, isa: str) -> ctypes.CDLL | None:
+    """Load `asyncpp/kernels/<name>.c` built for ISA level `isa`, compiling it on first use."""
+    log = get_logger(role="kernels", kernel=name, isa=isa)
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         log.info("kernel_disabled", env=DISABLE_ENV)
         return None
@@ -52,10 +56,11 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
     package = resources.files("asyncpp.kernels")
     source = package.joinpath(f"{name}.c").read_bytes()
     headers = {f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")}
+    flags = _BASE_FLAGS + compile_flags(isa)
     try:
-        target = kernel_cache_dir() / f"{name}-{_build_key(compiler, source, headers)}.so"
+        target = kernel_cache_dir() / f"{name}-{isa}-{_build_key(compiler, flags, source, headers)}.so"
         if not target.exists():
-            _compile(compiler, source, headers, target)
+            _compile(compiler, flags, source, headers, target)
             log.info("kernel_compiled", path=str(target))
         return ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
@@ -64,25 +69,18 @@ def load_kernel_library(name: str) -> ctypes.CDLL | None:
         return None
 
 
-def _build_key(compiler: str, source: bytes, headers: dict[str, bytes]) -> str:
+def _build_key(compiler: str, flags: tuple[str, ...], source: bytes, headers: dict[str, bytes]) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(source)
     for header_name in sorted(headers):
         digest.update(header_name.encode() + headers[header_name])
-    for part in (version, " ".join(_FLAGS), platform.machine(), _cpu_flags()):
+    # -mtune=native schedules for this CPU, so its flags are part of the key too.
+    for part in (version, " ".join(flags), platform.machine(), " ".join(sorted(cpu_info().flags))):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
-
-
-def _compile(compiler: str, source: bytes, headers: dict[str, bytes], target: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], source: bytes, headers: dict[str, bytes], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / "kernel.c"
@@ -90,5 +88,5 @@ def _compile(compiler: str, source: bytes, headers: dict[str, bytes], target: Pa
         for header_name, text in headers.items():  # `#include "x.h"` resolves beside the source
             (Path(tmp) / header_name).write_bytes(text)
         out = Path(tmp) / "kernel.so"
-        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, check=True)
+        subprocess.run([compiler, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True, check=True)
         os.replace(out, target)

@@ -28,6 +28,24 @@ static inline uint16_t narrow(float f) { /* nearest, ties to even, as torch; NaN
 
 static inline float round_bf16(float f) { return widen(narrow(f)); }
 
+/* IEEE half -> float32, exactly (normals, subnormals, infinities, NaN): the generic path of F16C's vcvtph2ps. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t u;
+    if (exp == 0x1F) {
+        u = sign | 0x7F800000 | (mant << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (mant << 13);
+    } else { /* zero or subnormal: mant * 2^-24, exact in float32 */
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
 /* exp(x) for x <= 0: 2^n * p(r) with |r| <= ln2/2 (Cephes polynomial), relative error ~2e-7. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;

@@ -4,7 +4,7 @@ One query token per row, each attending its own context in a fixed order:
 `asyncpp.model.attention` sends every token of a step through it, prefill
 tokens included, which is what makes greedy output batch invariant.
 
-`decode_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim)`
+`decode_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim, isa)`
 returns a callable, or None when the kernel cannot serve that case here (not
 a CPU device, another dtype, a head_dim that is not a multiple of 16, no C
 compiler); `asyncpp.model.attention` then keeps its torch path.
@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
+from asyncpp.kernels.isa import native_level
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -27,13 +28,18 @@ DecodeAttention = Callable[..., None]
 
 
 def decode_attention_kernel(
-    device: torch.device | str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    device: torch.device | str,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    isa: str | None = None,
 ) -> DecodeAttention | None:
     group = num_heads // num_kv_heads
     supported = head_dim % 16 == 0 and head_dim <= 256 and group * num_kv_heads == num_heads and group <= 16
     if torch.device(device).type != "cpu" or dtype not in VEC_DTYPE_CODES or not supported:
         return None
-    lib = load_kernel_library("decode_attention")
+    lib = load_kernel_library("decode_attention", isa or native_level())
     if lib is None:
         return None
     fn = lib.decode_attention

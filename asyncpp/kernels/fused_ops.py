@@ -12,6 +12,7 @@ import ctypes
 import torch
 
 from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.isa import native_level
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -63,8 +64,8 @@ class FusedOps:
         return x
 
 
-def fused_ops(device: torch.device | str, dtype: torch.dtype) -> FusedOps | None:
+def fused_ops(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> FusedOps | None:
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
         return None
-    lib = load_kernel_library("fused_ops")
+    lib = load_kernel_library("fused_ops", isa or native_level())
     return None if lib is None else FusedOps(lib)

@@ -1,8 +1,8 @@
 """Batch-invariant bfloat16 linear layer for small batches on AVX512-BF16 CPUs (`linear_bf16.c`).
 
-`linear_bf16_kernel(device, dtype)` returns a `Bf16Linear`, or None where it
-does not apply: not a bfloat16 CPU model, no C compiler, a CPU without
-AVX512-BF16, or one with AMX, where oneDNN's tile kernels are the faster
+`linear_bf16_kernel(device, dtype, isa)` returns a `Bf16Linear`, or None where
+it does not apply: not a bfloat16 CPU model, no C compiler, an ISA level
+below `avx512_bf16`, or `amx`, where oneDNN's tile kernels are the faster
 choice.
 """
 
@@ -14,6 +14,7 @@ import functools
 import torch
 
 from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.isa import native_level
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -53,24 +54,18 @@ class Bf16Linear:
         return y
 
 
-def has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return "amx_bf16" in flags.split()
-
-
 @functools.cache
-def _kernel() -> Bf16Linear | None:
-    lib = load_kernel_library("linear_bf16")
+def _kernel(isa: str) -> Bf16Linear | None:
+    lib = load_kernel_library("linear_bf16", isa)
     if lib is None or not lib.linear_bf16_supported():
         return None
     return Bf16Linear(lib)
 
 
-def linear_bf16_kernel(device: torch.device | str, dtype: torch.dtype) -> Bf16Linear | None:
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or has_amx():
+def linear_bf16_kernel(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> Bf16Linear | None:
+    """The kernel at level `avx512_bf16` exactly: below it the CPU has no bf16 dot product, and
+    with AMX (level `amx`) oneDNN's tile kernels are faster."""
+    isa = isa or native_level()
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or isa != "avx512_bf16":
         return None
-    return _kernel()
+    return _kernel(isa)

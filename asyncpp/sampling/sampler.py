@@ -36,9 +36,11 @@ __all__ = ["RequestLogprobs", "RequestSamplingState", "Sampler", "SamplerOutput"
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, vocab_size: int, device: str | torch.device = "cpu", isa: str | None = None) -> None:
+        """`isa`: the level the CPU argmax kernel is built for (None: the CPU's best)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.isa = isa
 
     def __call__(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> SamplerOutput:
         """`logits`: [num_reqs, vocab_size], any float dtype."""
@@ -49,7 +51,7 @@ class Sampler:
         logits = logits.to(device=self.device)
         if self._is_plain_greedy(states):
             # argmax is exact in any float dtype: skip the float32 copy.
-            return SamplerOutput(argmax_rows(logits).cpu())
+            return SamplerOutput(argmax_rows(logits, self.isa).cpu())
         logits = logits.to(dtype=torch.float32)
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = None  # [num_logprob_rows, vocab_size]
@@ -70,14 +72,14 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
         if not random_rows:
-            return argmax_rows(logits)
+            return argmax_rows(logits, self.isa)
         if len(random_rows) == len(states):
             return self._sample_random(logits, states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         greedy_ids = self._index(greedy_rows)
         random_ids = self._index(random_rows)
         sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
-        sampled[greedy_ids] = argmax_rows(logits[greedy_ids])
+        sampled[greedy_ids] = argmax_rows(logits[greedy_ids], self.isa)
         sampled[random_ids] = self._sample_random(logits[random_ids], [states[i] for i in random_rows])
         return sampled
 
@@ -93,7 +95,7 @@ class Sampler:
         self._apply_top_k_top_p(probs, params)
         # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
         exponentials = self._draw_exponentials(states, probs.shape)
-        return argmax_rows(probs.div_(exponentials))
+        return argmax_rows(probs.div_(exponentials), self.isa)
 
     def _apply_top_k_top_p(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         """Filter in place, sorting only the rows that use top-k or top-p."""

@@ -66,10 +66,11 @@ class ModelRunner:
         graph_sizes: tuple[int, ...] = (),
         max_model_len: int = 0,
         pad_slot: int | None = None,
+        isa: str | None = None,
     ) -> None:
         """`graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
         plain replays on CPU); they need the decode kernel, `max_model_len` and a `pad_slot` past the
-        engine's blocks."""
+        engine's blocks. `isa`: the level CPU kernels are built for (None: the CPU's best)."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
@@ -79,7 +80,7 @@ class ModelRunner:
         decode_kernel = None
         if use_decode_kernel:  # the C kernel on CPU, the Triton one on CUDA; else torch's SDPA paths
             heads = (arch.num_heads, arch.num_kv_heads, arch.head_dim)
-            decode_kernel = decode_attention_kernel(self.device, dtype, *heads) or triton_attention_kernel(
+            decode_kernel = decode_attention_kernel(self.device, dtype, *heads, isa=isa) or triton_attention_kernel(
                 self.device, dtype, *heads, block_size=block_size
             )
         self.decode_kernel = decode_kernel
@@ -88,7 +89,7 @@ class ModelRunner:
         self.max_model_len, self.pad_slot = max_model_len, pad_slot
         self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
         self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
-        self.sampler = Sampler(model.arch.vocab_size, self.device) if model.is_last else None
+        self.sampler = Sampler(model.arch.vocab_size, self.device, isa) if model.is_last else None
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
         self.execute_state: ExecuteModelState | None = None

@@ -35,7 +35,15 @@ def build_model_slice(
     dtype: torch.dtype,
     device: str,
     linear_kernel: str = "auto",
+    isa: str | None = None,
+    weight_format: str = "float",
 ) -> LlamaModel:
+    """Load and build layers [start_layer, end_layer).
+
+    `isa`: the level CPU kernels are built for (None: the CPU's best).
+    `weight_format`: "float" dequantizes to `dtype` at load; "native" keeps the
+    file's format (GGUF blocks, float16, ...) and computes in float32 through
+    `asyncpp.kernels.qlinear` (`dtype` must be float32)."""
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
     tensors = load_weights(
@@ -100,6 +108,7 @@ def build_runner(
     kv_connector: KVConnectorWorker | None = None,
     graph_sizes: tuple[int, ...] = (),
     max_model_len: int = 0,
+    isa: str | None = None,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
     their padding rows' K/V there."""
@@ -117,4 +126,5 @@ def build_runner(
         graph_sizes=graph_sizes,
         max_model_len=max_model_len,
         pad_slot=num_blocks * block_size if graph_sizes else None,
+        isa=isa,
     )

@@ -8,6 +8,7 @@ import torch
 from asyncpp.kernels import argmax as argmax_module
 from asyncpp.kernels.argmax import argmax_rows
 from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.isa import native_level
 
 # Around the kernel's 64-element main loop and its 16-lane sets, and the real vocabulary.
 LENGTHS = [1, 5, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 49152]
@@ -15,7 +16,7 @@ LENGTHS = [1, 5, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 49152]
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    if load_kernel_library("argmax") is None:
+    if load_kernel_library("argmax", native_level()) is None:
         pytest.skip("argmax kernel unavailable (no C compiler)")
 
 
@@ -71,7 +72,7 @@ def test_thread_count_does_not_change_rows(threads):
 def test_other_dtypes_and_shapes_fall_back_to_torch(monkeypatch):
     calls = []
     real = argmax_module._library
-    monkeypatch.setattr(argmax_module, "_library", lambda: calls.append(1) or real())
+    monkeypatch.setattr(argmax_module, "_library", lambda isa: calls.append(1) or real(isa))
     half = torch.randn(3, 50).half()
     assert torch.equal(argmax_rows(half), half.argmax(dim=-1))
     assert not calls  # float16: not the kernel's

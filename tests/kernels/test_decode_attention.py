@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncpp.kernels import build
+from asyncpp.kernels.isa import native_level
 from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.model.attention import AttentionMetadata, paged_attention
 
@@ -142,19 +143,19 @@ def test_build_cache_and_disable_switch(tmp_path, monkeypatch):
     monkeypatch.setenv("ASYNCPP_KERNEL_CACHE", str(tmp_path))
     build.load_kernel_library.cache_clear()
     try:
-        lib = build.load_kernel_library("decode_attention")
+        lib = build.load_kernel_library("decode_attention", native_level())
         if lib is None:
             pytest.skip("no C compiler")
-        built = list(tmp_path.glob("decode_attention-*.so"))
+        built = list(tmp_path.glob(f"decode_attention-{native_level()}-*.so"))
         assert len(built) == 1
         mtime = built[0].stat().st_mtime_ns
         build.load_kernel_library.cache_clear()
-        assert build.load_kernel_library("decode_attention") is not None
+        assert build.load_kernel_library("decode_attention", native_level()) is not None
         assert built[0].stat().st_mtime_ns == mtime, "a cached build must be reused, not rebuilt"
 
         monkeypatch.setenv(build.DISABLE_ENV, "1")
         build.load_kernel_library.cache_clear()
-        assert build.load_kernel_library("decode_attention") is None
+        assert build.load_kernel_library("decode_attention", native_level()) is None
         assert decode_attention_kernel("cpu", torch.float32, 4, 2, 16) is None
     finally:
         build.load_kernel_library.cache_clear()

@@ -1,0 +1,398 @@
+/* Linear layer y = x @ w^T with float32 activations and weights kept in their stored format:
+ * float32, float16, bfloat16, or GGUF's Q8_0, Q4_0 and Q4_1 blocks, dequantized in registers.
+ *
+ * Layout. The weight [n, k] is packed once into panels of 16 output columns
+ * (LANES); within a panel the 16 columns sit side by side, so one vector load
+ * gives one input position for 8 (AVX2) or 16 (AVX-512) columns and every
+ * output column is one vector lane. A quantized panel is a run of blocks of 32
+ * inputs, each block [scale d: 16 x fp16][min m: 16 x fp16, Q4_1 only][values]:
+ * Q8_0 values are 32 rows of 16 int8, Q4_0/Q4_1 values are 16 rows of 16 bytes
+ * whose low nibble is input j and high nibble input j + 16 (GGUF's own pairing).
+ * The scales and 4/8-bit values are the file's, unchanged; only their order is.
+ * `n` is padded to a multiple of 64 columns (4 panels) with zero columns.
+ *
+ * Arithmetic, fixed for every output whatever the batch, tile, thread or ISA:
+ *   float formats: acc = sum over k in order of fma(x[k], w[k], acc);
+ *   block formats: per block b, t = sum over j in order of fma(x[j], q[j], t)
+ *     (Q4: j = 0, 16, 1, 17, ..., 15, 31; Q8_0: j = 0..31), then
+ *     acc = fma(t, d, acc) and, for Q4, acc = fma(m, X_b, acc), where X_b is the
+ *     block's sum of x (in order, computed once per row) and m is Q4_1's min or
+ *     -8 d for Q4_0 (exact). This is the dot product with the dequantized weights
+ *     d * q + m, factored so that the 4-bit values need no per-weight scaling.
+ * Every lane runs the same operation sequence, so AVX2 and AVX-512 give the same
+ * bits (and a row's result never depends on its batch). The generic build has no
+ * FMA on x86-64 and rounds a * b + c twice; it is tested against a float64
+ * reference like the others.
+ *
+ * Threads split the panels; each output is computed by one thread.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VW 16
+#define MT_MAX 6
+#define NG_WIDE 2 /* groups per tile when it has several rows (a whole number of panels) */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VW 8
+#define MT_MAX 3
+#define NG_WIDE 2
+#else
+#define VW 16
+#define MT_MAX 4
+#define NG_WIDE 1
+#endif
+
+#define LANES 16
+#define QK 32
+#define PANELS_PER_UNIT 4 /* n is padded to a multiple of LANES * PANELS_PER_UNIT */
+#define GROUPS_PER_PANEL (LANES / VW)
+#define NG_GEMV 4 /* groups per tile for one row: independent accumulators hide the FMA latency */
+#define MCHUNK 96 /* rows that share one pass over the weights */
+
+enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2, QL_Q8_0 = 3, QL_Q4_0 = 4, QL_Q4_1 = 5, QL_NUM_FORMATS = 6 };
+
+/* ---- vectors of VW float32 lanes ---- */
+
+#if defined(__AVX512F__)
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_loadf(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vf vf_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
+static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#elif VW == 8
+typedef __m256 vf;
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float a) { return _mm256_set1_ps(a); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_loadf(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline vf vf_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
+static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+#else
+#pragma GCC diagnostic ignored "-Wpsabi" /* vectors passed between static inline functions only */
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+static inline vf vf_zero(void) { return (vf){0}; }
+static inline vf vf_set1(float a) { return (vf){0} + a; }
+static inline vf vf_fma(vf a, vf b, vf c) { return a * b + c; } /* two roundings: see the header */
+static inline vf vf_mul(vf a, vf b) { return a * b; }
+static inline vf vf_loadf(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void vf_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf vf_f16(const uint16_t *p) { vf v; for (int i = 0; i < VW; i++) v[i] = half_to_float(p[i]); return v; }
+static inline vf vf_bf16(const uint16_t *p) { vf v; for (int i = 0; i < VW; i++) v[i] = widen(p[i]); return v; }
+static inline vf vf_i8(const int8_t *p) { vi q; for (int i = 0; i < VW; i++) q[i] = p[i]; return __builtin_convertvector(q, vf); }
+static inline void vf_nibbles(const uint8_t *p, vf *lo, vf *hi) {
+    vi q;
+    for (int i = 0; i < VW; i++) q[i] = p[i];
+    *lo = __builtin_convertvector(q & 15, vf);
+    *hi = __builtin_convertvector(q >> 4, vf);
+}
+#endif
+
+/* ---- formats ---- */
+
+static int is_block_format(int fmt) { return fmt >= QL_Q8_0; }
+
+/* Bytes of one 32-input block of one panel (block formats), or of one input of a panel (float formats). */
+static int64_t panel_step_bytes(int fmt) {
+    switch (fmt) {
+        case QL_F32: return LANES * 4;
+        case QL_F16: case QL_BF16: return LANES * 2;
+        case QL_Q8_0: return LANES * 2 + QK * LANES;
+        case QL_Q4_0: return LANES * 2 + QK / 2 * LANES;
+        case QL_Q4_1: return LANES * 4 + QK / 2 * LANES;
+    }
+    return 0;
+}
+
+/* Bytes of one row of the weight as GGUF stores it. */
+static int64_t source_row_bytes(int fmt, int64_t k) {
+    switch (fmt) {
+        case QL_F32: return k * 4;
+        case QL_F16: case QL_BF16: return k * 2;
+        case QL_Q8_0: return k / QK * 34;
+        case QL_Q4_0: return k / QK * 18;
+        case QL_Q4_1: return k / QK * 20;
+    }
+    return 0;
+}
+
+static int64_t padded_n(int64_t n) {
+    const int64_t unit = LANES * PANELS_PER_UNIT;
+    return (n + unit - 1) / unit * unit;
+}
+
+static int64_t panel_bytes(int fmt, int64_t k) { return panel_step_bytes(fmt) * (is_block_format(fmt) ? k / QK : k); }
+
+/* 0 if (fmt, k) can be served, else an error code the wrapper turns into a message. */
+int qlinear_check(int fmt, int64_t k) {
+    if (fmt < 0 || fmt >= QL_NUM_FORMATS) return 1;
+    if (k <= 0 || (is_block_format(fmt) && k % QK != 0)) return 2;
+    return 0;
+}
+
+int64_t qlinear_packed_nbytes(int fmt, int64_t n, int64_t k) { return padded_n(n) / LANES * panel_bytes(fmt, k); }
+
+int64_t qlinear_source_row_bytes(int fmt, int64_t k) { return source_row_bytes(fmt, k); }
+
+/* Pack GGUF rows `src` ([n] rows of source_row_bytes each) into `dst` (qlinear_packed_nbytes, zeroed here). */
+void qlinear_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    const int64_t row_bytes = source_row_bytes(fmt, k), step = panel_step_bytes(fmt), pbytes = panel_bytes(fmt, k);
+    memset(dst, 0, (size_t)qlinear_packed_nbytes(fmt, n, k));
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = src + r * row_bytes;
+        uint8_t *panel = dst + r / LANES * pbytes;
+        const int64_t lane = r % LANES;
+        if (!is_block_format(fmt)) {
+            const int64_t es = step / LANES;
+            for (int64_t i = 0; i < k; i++) memcpy(panel + i * step + lane * es, row + i * es, (size_t)es);
+            continue;
+        }
+        for (int64_t b = 0; b < k / QK; b++) {
+            uint8_t *blk = panel + b * step;
+            if (fmt == QL_Q8_0) {
+                const uint8_t *s = row + b * 34;
+                memcpy(blk + lane * 2, s, 2);
+                for (int j = 0; j < QK; j++) blk[LANES * 2 + j * LANES + lane] = s[2 + j];
+            } else {
+                const int has_min = fmt == QL_Q4_1, hdr = has_min ? 4 : 2;
+                const uint8_t *s = row + b * (hdr + QK / 2);
+                memcpy(blk + lane * 2, s, 2);
+                if (has_min) memcpy(blk + LANES * 2 + lane * 2, s + 2, 2);
+                for (int j = 0; j < QK / 2; j++) blk[LANES * hdr + j * LANES + lane] = s[hdr + j];
+            }
+        }
+    }
+}
+
+/* ---- the tile: rows [0, MT) of x times NG vector groups of one run of panels ---- */
+
+/* Group g of a panel run: panel g / GROUPS_PER_PANEL, lanes (g % GROUPS_PER_PANEL) * VW. */
+#define GROUP_PANEL(w, g, pbytes) ((w) + (int64_t)((g) / GROUPS_PER_PANEL) * (pbytes))
+#define GROUP_LANE(g) (((g) % GROUPS_PER_PANEL) * VW)
+
+static inline __attribute__((always_inline)) void tile(const int fmt, const int MT, const int NG, const float *x,
+                                                       int64_t ldx, const float *xsum, int64_t ldxs, const uint8_t *w,
+                                                       int64_t pbytes, int64_t k, float *y, int64_t ldy, int64_t col0,
+                                                       int64_t n) {
+    vf acc[6][NG_GEMV]; /* sized for every instantiated tile; only [MT][NG] is used */
+    for (int i = 0; i < MT; i++)
+        for (int g = 0; g < NG; g++) acc[i][g] = vf_zero();
+    const int64_t step = panel_step_bytes(fmt);
+    if (!is_block_format(fmt)) {
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int g = 0; g < NG; g++) {
+                const uint8_t *p = GROUP_PANEL(w, g, pbytes) + kk * step;
+                vf wv;
+                if (fmt == QL_F32) wv = vf_loadf((const float *)p + GROUP_LANE(g));
+                else if (fmt == QL_F16) wv = vf_f16((const uint16_t *)p + GROUP_LANE(g));
+                else wv = vf_bf16((const uint16_t *)p + GROUP_LANE(g));
+                for (int i = 0; i < MT; i++) acc[i][g] = vf_fma(vf_set1(x[i * ldx + kk]), wv, acc[i][g]);
+            }
+        }
+    } else {
+        const int hdr = fmt == QL_Q4_1 ? 4 : 2; /* header bytes per lane: d (and m) */
+        for (int64_t b = 0; b < k / QK; b++) {
+            const float *xb = x + b * QK;
+            vf t[6][NG_GEMV];
+            for (int i = 0; i < MT; i++)
+                for (int g = 0; g < NG; g++) t[i][g] = vf_zero();
+            if (fmt == QL_Q8_0) {
+                for (int j = 0; j < QK; j++)
+                    for (int g = 0; g < NG; g++) {
+                        const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
+                        const vf q = vf_i8((const int8_t *)blk + LANES * 2 + j * LANES + GROUP_LANE(g));
+                        for (int i = 0; i < MT; i++) t[i][g] = vf_fma(vf_set1(xb[i * ldx + j]), q, t[i][g]);
+                    }
+            } else {
+                for (int j = 0; j < QK / 2; j++)
+                    for (int g = 0; g < NG; g++) {
+                        const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
+                        vf lo, hi;
+                        vf_nibbles(blk + LANES * hdr + j * LANES + GROUP_LANE(g), &lo, &hi);
+                        for (int i = 0; i < MT; i++) {
+                            t[i][g] = vf_fma(vf_set1(xb[i * ldx + j]), lo, t[i][g]);
+                            t[i][g] = vf_fma(vf_set1(xb[i * ldx + j + QK / 2]), hi, t[i][g]);
+                        }
+                    }
+            }
+            for (int g = 0; g < NG; g++) {
+                const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
+                const vf d = vf_f16((const uint16_t *)blk + GROUP_LANE(g));
+                if (fmt == QL_Q8_0) {
+                    for (int i = 0; i < MT; i++) acc[i][g] = vf_fma(t[i][g], d, acc[i][g]);
+                    continue;
+                }
+                const vf m = fmt == QL_Q4_1 ? vf_f16((const uint16_t *)blk + LANES + GROUP_LANE(g))
+                                            : vf_mul(d, vf_set1(-8.0f));
+                for (int i = 0; i < MT; i++) {
+                    acc[i][g] = vf_fma(t[i][g], d, acc[i][g]);
+                    acc[i][g] = vf_fma(m, vf_set1(xsum[i * ldxs + b]), acc[i][g]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < NG; g++) {
+        const int64_t col = col0 + (g / GROUPS_PER_PANEL) * LANES + GROUP_LANE(g);
+        if (col >= n) continue;
+        for (int i = 0; i < MT; i++) {
+            if (col + VW <= n) {
+                vf_store(y + i * ldy + col, acc[i][g]);
+            } else {
+                float tail[VW];
+                vf_store(tail, acc[i][g]);
+                memcpy(y + i * ldy + col, tail, (size_t)(n - col) * sizeof tail[0]);
+            }
+        }
+    }
+}
+
+/* One specialised body per (format, rows, groups), so the accumulators stay in registers. */
+#define TILE_ARGS x, ldx, xsum, ldxs, w, pbytes, k, y, ldy, col0, n
+#define TILE_FN(F, MT, NG)                                                                                          \
+    static void tile_##F##_##MT##_##NG(const float *x, int64_t ldx, const float *xsum, int64_t ldxs,               \
+                                       const uint8_t *w, int64_t pbytes, int64_t k, float *y, int64_t ldy,         \
+                                       int64_t col0, int64_t n) {                                                  \
+        tile(F, MT, NG, TILE_ARGS);                                                                                 \
+    }
+#define TILES_FOR(F)                                                                                              \
+    TILE_FN(F, 1, 1) TILE_FN(F, 1, 2) TILE_FN(F, 1, 4) TILE_FN(F, 2, 1) TILE_FN(F, 2, 2) TILE_FN(F, 3, 1)          \
+    TILE_FN(F, 3, 2) TILE_FN(F, 4, 1) TILE_FN(F, 4, 2) TILE_FN(F, 5, 1) TILE_FN(F, 5, 2) TILE_FN(F, 6, 1)          \
+    TILE_FN(F, 6, 2)
+TILES_FOR(QL_F32)
+TILES_FOR(QL_F16)
+TILES_FOR(QL_BF16)
+TILES_FOR(QL_Q8_0)
+TILES_FOR(QL_Q4_0)
+TILES_FOR(QL_Q4_1)
+
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const uint8_t *, int64_t, int64_t, float *,
+                        int64_t, int64_t, int64_t);
+
+#define TILE_ROW(F)                                                                                               \
+    {{tile_##F##_1_1, tile_##F##_1_2, 0, tile_##F##_1_4}, {tile_##F##_2_1, tile_##F##_2_2, 0, 0},                 \
+     {tile_##F##_3_1, tile_##F##_3_2, 0, 0}, {tile_##F##_4_1, tile_##F##_4_2, 0, 0},                               \
+     {tile_##F##_5_1, tile_##F##_5_2, 0, 0}, {tile_##F##_6_1, tile_##F##_6_2, 0, 0}}
+/* [format][rows - 1][groups - 1] */
+static const tile_fn TILES[QL_NUM_FORMATS][6][4] = {TILE_ROW(QL_F32),  TILE_ROW(QL_F16),  TILE_ROW(QL_BF16),
+                                                    TILE_ROW(QL_Q8_0), TILE_ROW(QL_Q4_0), TILE_ROW(QL_Q4_1)};
+
+/* Block sums of x for the Q4 formats: xsum[i * nb + b] = x[i, 32b] + ... + x[i, 32b + 31], in order. */
+static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            float s = 0.0f;
+            for (int j = 0; j < QK; j++) s += x[i * ldx + b * QK + j];
+            xsum[i * nb + b] = s;
+        }
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w^T, w packed by qlinear_pack. Returns 0, or -1 if
+ * out of memory. */
+int qlinear(int fmt, const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n, int64_t k, float *y,
+            int64_t ldy, int num_threads) {
+    if (m <= 0) return 0;
+    const int64_t pbytes = panel_bytes(fmt, k), nb = k / QK;
+    const int needs_sums = fmt == QL_Q4_0 || fmt == QL_Q4_1;
+    float *xsum = needs_sums ? malloc((size_t)(m * nb) * sizeof(float)) : NULL;
+    if (needs_sums && xsum == NULL) return -1;
+    if (needs_sums) block_sums(x, ldx, m, k, xsum);
+    const int64_t num_groups = padded_n(n) / VW;
+    for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
+        const int64_t rows = m - m0 < MCHUNK ? m - m0 : MCHUNK;
+        const int64_t num_tiles = (rows + MT_MAX - 1) / MT_MAX;
+        const int ng = rows == 1 ? NG_GEMV : NG_WIDE; /* divides num_groups: n is padded to 4 panels */
+        const int64_t num_units = num_groups / ng;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_units > 1)
+        for (int64_t u = 0; u < num_units; u++) {
+            const int64_t p0 = u * ng / GROUPS_PER_PANEL; /* ng is a whole number of panels */
+            for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 16 rows = 6 + 5 + 5 */
+                const int64_t i0 = m0 + t * rows / num_tiles, i1 = m0 + (t + 1) * rows / num_tiles;
+                TILES[fmt][i1 - i0 - 1][ng - 1](x + i0 * ldx, ldx, needs_sums ? xsum + i0 * nb : NULL, nb,
+                                                packed + p0 * pbytes, pbytes, k, y + i0 * ldy, ldy, p0 * LANES, n);
+            }
+        }
+    }
+    free(xsum);
+    return 0;
+}
+
+/* out [num_ids, k] = rows `ids` of the weight packed by qlinear_pack, dequantized as GGUF defines it
+ * (d * q, d * (q - 8), d * q + m in float32): the embedding lookup of a tied, packed weight. */
+void qlinear_dequant_rows(int fmt, const uint8_t *packed, int64_t k, const int64_t *ids, int64_t num_ids, float *out) {
+    const int64_t step = panel_step_bytes(fmt), pbytes = panel_bytes(fmt, k);
+    for (int64_t r = 0; r < num_ids; r++) {
+        const uint8_t *panel = packed + ids[r] / LANES * pbytes;
+        const int64_t lane = ids[r] % LANES;
+        float *o = out + r * k;
+        if (!is_block_format(fmt)) {
+            for (int64_t i = 0; i < k; i++) {
+                const uint8_t *p = panel + i * step;
+                if (fmt == QL_F32) memcpy(o + i, p + lane * 4, 4);
+                else {
+                    uint16_t h;
+                    memcpy(&h, p + lane * 2, 2);
+                    o[i] = fmt == QL_F16 ? half_to_float(h) : widen(h);
+                }
+            }
+            continue;
+        }
+        for (int64_t b = 0; b < k / QK; b++) {
+            const uint8_t *blk = panel + b * step;
+            uint16_t h;
+            memcpy(&h, blk + lane * 2, 2);
+            const float d = half_to_float(h);
+            float *ob = o + b * QK;
+            if (fmt == QL_Q8_0) {
+                for (int j = 0; j < QK; j++) ob[j] = d * (float)(int8_t)blk[LANES * 2 + j * LANES + lane];
+                continue;
+            }
+            const int hdr = fmt == QL_Q4_1 ? 4 : 2;
+            float mn = 0.0f;
+            if (fmt == QL_Q4_1) {
+                memcpy(&h, blk + LANES * 2 + lane * 2, 2);
+                mn = half_to_float(h);
+            }
+            for (int j = 0; j < QK / 2; j++) {
+                const uint8_t byte = blk[LANES * hdr + j * LANES + lane];
+                const float lo = (float)(byte & 15), hi = (float)(byte >> 4);
+                if (fmt == QL_Q4_1) {
+                    ob[j] = d * lo + mn;
+                    ob[j + QK / 2] = d * hi + mn;
+                } else {
+                    ob[j] = d * (lo - 8.0f);
+                    ob[j + QK / 2] = d * (hi - 8.0f);
+                }
+            }
+        }
+    }
+}
