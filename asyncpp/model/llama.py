@@ -180,6 +180,21 @@ class LlamaModel(nn.Module):
     def num_layers(self) -> int:
         return self.end_layer - self.start_layer
 
+    def weight_nbytes(self) -> int:
+        """Bytes of weights this slice keeps resident: parameters, plus the packed weights of
+        modules that hold them outside parameters (each counted once, however often shared)."""
+        seen: set[int] = set()
+        total = 0
+        for module in self.modules():
+            tensors = list(module.parameters(recurse=False)) + list(getattr(module, "packed_tensors", lambda: [])())
+            for t in tensors:
+                if t.is_mkldnn:  # oneDNN's opaque packed layout: no storage to look at
+                    total += t.numel() * t.element_size()
+                elif t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+        return total
+
     def forward(
         self,
         input_ids: torch.Tensor | None,  # [num_tokens], first slice only

@@ -53,6 +53,9 @@ class PackedLinear(nn.Module):
         # A plain attribute, not a parameter: packed tensors take no part in `.to()` or state dicts.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size_hint)
 
+    def packed_tensors(self) -> list[torch.Tensor]:
+        return [self.packed_weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1:  # the single-row path rounds differently: see the module doc
             return self._linear(x.expand(2, -1))[:1]
@@ -73,6 +76,9 @@ class KernelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
         self.packed_weight = kernel.pack(weight)  # a plain attribute, as in PackedLinear
+
+    def packed_tensors(self) -> list[torch.Tensor]:
+        return [self.packed_weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:
