@@ -55,6 +55,9 @@
 #define GROUPS_PER_PANEL (LANES / VW)
 #define NG_GEMV 4 /* groups per tile for one row: independent accumulators hide the FMA latency */
 #define MCHUNK 96 /* rows that share one pass over the weights */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 4 /* prefetch distance in blocks */
+#endif
 
 enum { QL_F32 = 0, QL_F16 = 1, QL_BF16 = 2, QL_Q8_0 = 3, QL_Q4_0 = 4, QL_Q4_1 = 5, QL_NUM_FORMATS = 6 };
 
@@ -225,6 +228,10 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
             vf t[6][NG_GEMV];
             for (int i = 0; i < MT; i++)
                 for (int g = 0; g < NG; g++) t[i][g] = vf_zero();
+            if (PF_BLOCKS > 0 && b + PF_BLOCKS < k / QK) /* the weight stream, a few blocks ahead */
+                for (int g = 0; g < NG; g += GROUPS_PER_PANEL)
+                    for (int64_t off = 0; off < step; off += 64)
+                        __builtin_prefetch(GROUP_PANEL(w, g, pbytes) + (b + PF_BLOCKS) * step + off, 0, 0);
             if (fmt == QL_Q8_0) {
                 for (int j = 0; j < QK; j++)
                     for (int g = 0; g < NG; g++) {

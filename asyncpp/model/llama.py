@@ -23,6 +23,8 @@ from asyncpp.kernels.fused_ops import FusedOps
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.attention import AttentionMetadata, paged_attention
 from asyncpp.model.intermediate import IntermediateTensors
+from asyncpp.model.native_linear import NativeWeights
+from asyncpp.weights.base import StoredTensor
 
 
 class RMSNorm(nn.Module):
@@ -218,8 +220,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden)
 
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in; every parameter of the slice must be covered."""
+    def load_weights(self, tensors: dict[str, torch.Tensor | StoredTensor], native: NativeWeights | None = None) -> None:
+        """Copy HF-named tensors in; every parameter of the slice must be covered.
+
+        Weights given as `StoredTensor`s (the source's own format) replace their
+        layer by one of `native`'s modules instead of being copied."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
 
@@ -230,26 +235,45 @@ class LlamaModel(nn.Module):
             param.data.copy_(value)
             loaded.add(name)
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str) -> torch.Tensor | StoredTensor:
             if name not in tensors:
                 raise ValueError(f"missing weight tensor {name}")
             return tensors[name]
 
+        def put_linear(module: str, parts: list[torch.Tensor | StoredTensor]) -> None:
+            """`module`'s weight: the parts stacked by rows (q, k, v -> qkv)."""
+            if not any(isinstance(p, StoredTensor) for p in parts):
+                put(f"{module}.weight", parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+                return
+            if native is None or not all(isinstance(p, StoredTensor) for p in parts):
+                raise ValueError(f"{module}: stored-format weights need native modules, and all parts stored")
+            expected = params[f"{module}.weight"].shape
+            shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+            if tuple(expected) != shape:
+                raise ValueError(f"weight {module}: expected shape {tuple(expected)}, got {shape}")
+            self.set_submodule(module, native.linear(parts))
+            loaded.add(f"{module}.weight")
+
         if self.is_first:
-            put("embed_tokens.weight", get("model.embed_tokens.weight"))
+            embed = get("model.embed_tokens.weight")
+            if isinstance(embed, StoredTensor):
+                if native is None:
+                    raise ValueError("embed_tokens: a stored-format weight needs native modules")
+                self.embed_tokens = native.embedding(embed)
+                loaded.add("embed_tokens.weight")
+            else:
+                put("embed_tokens.weight", embed)
         for local, layer_idx in enumerate(range(self.start_layer, self.end_layer)):
             src, dst = f"model.layers.{layer_idx}.", f"layers.{local}."
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 put(f"{dst}{norm}.weight", get(f"{src}{norm}.weight"))
-            qkv = [get(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(qkv, dim=0))
-            put(f"{dst}self_attn.o_proj.weight", get(f"{src}self_attn.o_proj.weight"))
-            gate_up = [get(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up, dim=0))
-            put(f"{dst}mlp.down_proj.weight", get(f"{src}mlp.down_proj.weight"))
+            put_linear(f"{dst}self_attn.qkv_proj", [get(f"{src}self_attn.{p}_proj.weight") for p in "qkv"])
+            put_linear(f"{dst}self_attn.o_proj", [get(f"{src}self_attn.o_proj.weight")])
+            put_linear(f"{dst}mlp.gate_up_proj", [get(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")])
+            put_linear(f"{dst}mlp.down_proj", [get(f"{src}mlp.down_proj.weight")])
         if self.is_last:
             put("norm.weight", get("model.norm.weight"))
-            put("lm_head.weight", get("lm_head.weight"))
+            put_linear("lm_head", [get("lm_head.weight")])
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"parameters not loaded: {sorted(missing)}")

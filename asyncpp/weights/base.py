@@ -13,6 +13,7 @@ slice asked for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -35,6 +36,39 @@ LAYER_SUFFIXES: tuple[str, ...] = (
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
 )
+
+
+# Formats a stored weight may have (asyncpp.kernels.qlinear serves each).
+STORED_FORMATS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A 2-D weight in its source's own format (`weight_format = "native"`).
+
+    `rows` is `[out_features, row_bytes]` uint8, each row laid out as the file
+    stores it (GGUF blocks of 32 inputs for the quantized formats), so rows can
+    be reordered and concatenated but never dequantized here. `name` is the
+    source's tensor name, for error messages.
+    """
+
+    format: str
+    rows: torch.Tensor  # [out_features, row_bytes] uint8
+    shape: tuple[int, int]  # (out_features, in_features)
+    name: str
+
+    @staticmethod
+    def from_float(weight: torch.Tensor, name: str) -> "StoredTensor":
+        """A float32 weight as an `f32` stored tensor (sources that hold floats)."""
+        weight = weight.detach().to(torch.float32).contiguous()
+        return StoredTensor("f32", weight.view(torch.uint8), tuple(weight.shape), name)
+
+    def select_rows(self, order: torch.Tensor) -> "StoredTensor":
+        return StoredTensor(self.format, self.rows[order].contiguous(), self.shape, self.name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel()
 
 
 class WeightLoader(Protocol):

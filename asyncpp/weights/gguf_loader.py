@@ -10,6 +10,10 @@ Contract:
   rotate-half, so the inverse is applied.
 - Any tensor type `gguf.quants` cannot dequantize is a ValueError naming the
   tensor and the type; so is a missing tensor or a missing metadata key.
+- `load_stored` (`weight_format = "native"`) hands 2-D weights out as
+  `StoredTensor`s, the file's rows as they are (q/k rows un-permuted, which
+  moves whole rows); a type without a native kernel is a ValueError naming the
+  tensor and its type.
 
 The header is read with a struct-based reader (0.25 s for SmolLM2, where
 `gguf.GGUFReader` takes ~5 s wrapping each tokenizer string); one parsed file
@@ -35,6 +39,8 @@ from asyncpp.weights.base import (
     EMBED_NAME,
     LM_HEAD_NAME,
     NORM_NAME,
+    STORED_FORMATS,
+    StoredTensor,
     expected_shape,
     split_layer_name,
 )
@@ -111,6 +117,46 @@ class GgufLoader:
                 weight = unpermute_rows(weight, arch.num_kv_heads)
             out[name] = torch.from_numpy(np.ascontiguousarray(weight))
         return out
+
+
+    def load_stored(
+        self, path_or_name: str | None, arch: ModelArch, names: Sequence[str]
+    ) -> dict[str, torch.Tensor | StoredTensor]:
+        """Like `load`, but 2-D weights stay in the file's format (`StoredTensor`)."""
+        path = _resolve(path_or_name)
+        gguf_file = _open_reader(path)
+        out: dict[str, torch.Tensor | StoredTensor] = {}
+        floats = []
+        for name in names:
+            tensor = gguf_file.tensors.get(gguf_tensor_name(name))
+            if tensor is None:
+                raise ValueError(f"{path}: tensor {gguf_tensor_name(name)!r} (for {name!r}) is missing")
+            if len(expected_shape(arch, name)) == 1:
+                floats.append(name)
+                continue
+            out[name] = _stored(path, gguf_file, tensor, name, arch)
+        out.update(self.load(path_or_name, arch, floats))
+        return out
+
+
+def _stored(path: pathlib.Path, gguf_file: GGUFFile, tensor: GGUFTensorInfo, name: str, arch: ModelArch) -> StoredTensor:
+    fmt = tensor.qtype.name.lower()
+    if fmt not in STORED_FORMATS:
+        raise ValueError(
+            f"{path}: tensor {tensor.name!r} has type {tensor.qtype.name}, which model.weight_format = \"native\" "
+            f"has no kernel for (native: {', '.join(f.upper() for f in STORED_FORMATS)}); "
+            f"use model.weight_format = \"float\""
+        )
+    shape = tuple(tensor.hf_shape)
+    if shape != expected_shape(arch, name):
+        raise ValueError(f"{path}: tensor {tensor.name!r} has HF shape {shape}, expected {expected_shape(arch, name)}")
+    rows = torch.from_numpy(np.array(gguf_file.raw(tensor), copy=True)).view(torch.uint8).reshape(shape[0], -1)
+    stored = StoredTensor(fmt, rows, shape, tensor.name)
+    if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
+        order = unpermute_rows(np.arange(shape[0])[:, None], heads)[:, 0]
+        stored = stored.select_rows(torch.from_numpy(np.ascontiguousarray(order)))
+    return stored
 
 
 def _resolve(path_or_name: str | None) -> pathlib.Path:

@@ -22,6 +22,7 @@ from asyncpp.model.arch import ModelArch
 from asyncpp.weights.base import (
     EMBED_NAME,
     LM_HEAD_NAME,
+    StoredTensor,
     WeightLoader,
     expected_shape,
     stored_names,
@@ -66,11 +67,19 @@ def load_weights(
     end_layer: int,
     need_embed: bool,
     need_head: bool,
-) -> dict[str, torch.Tensor]:
+    native: bool = False,
+) -> dict[str, torch.Tensor | StoredTensor]:
+    """`native`: 2-D weights come as `StoredTensor`s in the source's own format (sources that only
+    hold floats, and loaders without `load_stored`, give them as `f32`)."""
     loader = get_loader(source)
     arch = loader.read_arch(path_or_name)
     names = stored_names(arch, start_layer, end_layer, need_embed, need_head)
-    tensors = loader.load(path_or_name, arch, names)
+    if native and hasattr(loader, "load_stored"):
+        tensors = loader.load_stored(path_or_name, arch, names)
+    else:
+        tensors = loader.load(path_or_name, arch, names)
+        if native:
+            tensors = {n: StoredTensor.from_float(t, n) if t.dim() == 2 else t for n, t in tensors.items()}
     _check(arch, names, tensors)
     if need_head and arch.tie_word_embeddings:
         tensors[LM_HEAD_NAME] = tensors[EMBED_NAME]
@@ -88,5 +97,7 @@ def _check(arch: ModelArch, names: list[str], tensors: dict[str, torch.Tensor]) 
         tensor, shape = tensors[name], expected_shape(arch, name)
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        if isinstance(tensor, StoredTensor):
+            continue
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             raise RuntimeError(f"loader returned {name!r} as {tensor.dtype} on {tensor.device}")

@@ -18,9 +18,12 @@ from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
+from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.model.llama import LlamaModel
+from asyncpp.model.native_linear import NativeWeights
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.weights import load_weights
+from asyncpp.weights.base import StoredTensor
 from asyncpp.worker.kv_cache import allocate_kv_caches
 from asyncpp.kv_transfer.base import KVConnectorWorker
 from asyncpp.worker.kv_connector import KVConnectorWrapper
@@ -46,6 +49,15 @@ def build_model_slice(
     `asyncpp.kernels.qlinear` (`dtype` must be float32)."""
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
+    native = weight_format == "native"
+    if weight_format not in ("float", "native"):
+        raise ValueError(f"model.weight_format must be 'float' or 'native', got {weight_format!r}")
+    if native and (dtype != torch.float32 or torch.device(device).type != "cpu"):
+        raise ValueError(f"model.weight_format = 'native' computes in float32 on CPU, not {dtype} on {device}")
+    on_cpu_f32 = torch.device(device).type == "cpu" and dtype == torch.float32
+    qlinear = qlinear_kernel(isa) if on_cpu_f32 and (native or linear_kernel == "auto") else None
+    if native and qlinear is None:
+        raise RuntimeError("model.weight_format = 'native' needs the qlinear C kernel, which could not be built")
     tensors = load_weights(
         source,
         path,
@@ -53,25 +65,42 @@ def build_model_slice(
         end_layer=end_layer,
         need_embed=start_layer == 0,
         need_head=end_layer == arch.num_layers,
+        native=native,
     )
+    if qlinear is not None and not native:  # float32 weights through the same batch-invariant kernel
+        stored: dict[int, StoredTensor] = {}  # by tensor identity: a tied head stays the embedding
+        for name, t in tensors.items():
+            if t.dim() == 2:
+                tensors[name] = stored.setdefault(id(t), StoredTensor.from_float(t, name))
     model = LlamaModel(arch, start_layer, end_layer)
-    model.load_weights(tensors)
+    model.load_weights(tensors, NativeWeights(qlinear) if qlinear is not None else None)
     del tensors
     model = model.to(device=device, dtype=dtype)
     model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
-    kernel = linear_bf16_kernel(device, dtype) if linear_kernel == "auto" else None
-    num_packed = pack_linear_layers(model, kernel) if kernel is not None or can_pack(device, dtype) else 0
-    model.use_fused_ops(fused_ops(device, dtype))
+    bf16_kernel = linear_bf16_kernel(device, dtype, isa) if linear_kernel == "auto" else None
+    num_packed = 0
+    if bf16_kernel is not None or can_pack(device, dtype):
+        num_packed = pack_linear_layers(model, bf16_kernel)
+    model.use_fused_ops(fused_ops(device, dtype, isa))
     log.info(
         "model_slice_loaded",
         source=source,
         dtype=str(dtype),
+        weight_format=weight_format,
+        isa=isa,
         num_packed_linears=num_packed,
-        linear_backend="linear_bf16" if kernel is not None else "onednn" if num_packed else "torch",
+        linear_backend=_linear_backend(qlinear is not None, bf16_kernel is not None, num_packed),
+        weight_mb=round(model.weight_nbytes() / 2**20, 1),
         fused_ops=model.fused is not None,
         duration_s=round(time.perf_counter() - t0, 3),
     )
     return model
+
+
+def _linear_backend(qlinear: bool, bf16_kernel: bool, num_packed: int) -> str:
+    if qlinear:
+        return "qlinear"
+    return "linear_bf16" if bf16_kernel else "onednn" if num_packed else "torch"
 
 
 def decode_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
