@@ -1,19 +1,26 @@
-/* Fused bfloat16 elementwise ops for the Llama layer on CPU, one pass each.
+/* Fused elementwise ops for the Llama layer on CPU, one pass each, in bfloat16 and float32.
  *
- * Each op reproduces the roundings of the unfused bfloat16 torch code it
- * replaces (every intermediate torch would store is rounded to bfloat16 here
- * too), so only the order of a float32 sum can differ. Rows are independent
- * and computed in a fixed order: results never depend on the batch.
+ * The bfloat16 ops reproduce the roundings of the unfused bfloat16 torch code
+ * they replace (every intermediate torch would store is rounded to bfloat16
+ * here too), so only the order of a float32 sum can differ. Rows are
+ * independent and computed in a fixed order: results never depend on the batch.
  *
  *   add_rms_norm: residual_out = residual + x (or x); out = w * bf16(r * rsqrt(mean(r^2) + eps))
  *   silu_mul:     out = bf16(silu(gate)) * up, gate_up = [gate | up] per row
  *   rope:         x = bf16(x * cos) + bf16(rotate_half(x) * sin) in place, per head
+ *
+ * The float32 ops compute the same expressions with float32 roundings, each
+ * product and sum rounded where torch rounds it (-std=c11 turns off FMA
+ * contraction): residual_out and rope are bit-identical to torch; the norm
+ * differs only through 1 / rms (from a double sum of squares, see below),
+ * silu_mul only through exp (~2e-7 relative).
  */
 
 #include <math.h>
 #include <stdint.h>
 
 #include "cpu_math.h"
+#include "cpu_vec.h"
 
 /* Below this many rows a step is one thread's work: waking a team costs more. */
 #define MIN_ROWS_PER_THREAD 16
@@ -86,6 +93,110 @@ void rope_bf16(uint16_t *x, int64_t row_stride, const int64_t *positions, const 
                 const float c1 = round_bf16(cos_row[j + half]), s1 = round_bf16(sin_row[j + half]);
                 xh[j] = narrow(round_bf16(lo[j] * c0) + round_bf16(-hi[j] * s0));
                 xh[j + half] = narrow(round_bf16(hi[j] * c1) + round_bf16(lo[j] * s1));
+            }
+        }
+    }
+}
+
+/* float32 rows: residual_out = x + residual (or x); out = w * (r * (1 / sqrt(mean(r^2) + eps))).
+ * Squares are summed in double: each float32 square is exact there and the sum's error
+ * (< dim * 2^-53 relative) is far below a float32 ulp, so the vector width's summation
+ * order (per ISA level) practically never shows in the result. */
+void add_rms_norm_f32(const float *x, const float *residual, const float *weight, float *residual_out, float *out,
+                      int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *xi = x + i * dim;
+        float *ri = residual_out + i * dim, *oi = out + i * dim;
+        double sum_sq = 0.0;
+        if (residual != NULL) {
+            const float *res = residual + i * dim;
+#pragma omp simd reduction(+ : sum_sq)
+            for (int64_t j = 0; j < dim; j++) {
+                const float r = res[j] + xi[j];
+                ri[j] = r;
+                sum_sq += (double)r * (double)r;
+            }
+        } else {
+#pragma omp simd reduction(+ : sum_sq)
+            for (int64_t j = 0; j < dim; j++) {
+                ri[j] = xi[j];
+                sum_sq += (double)xi[j] * (double)xi[j];
+            }
+        }
+        /* 1 / sqrt in double, rounded to float32 once: within half an ulp of the true value (torch's
+         * float32 mean and vectorised rsqrt are each a rounding further off). No approximate rsqrt. */
+        const float inv_rms = (float)(1.0 / sqrt(sum_sq / (double)dim + (double)eps));
+#pragma omp simd
+        for (int64_t j = 0; j < dim; j++) oi[j] = weight[j] * (ri[j] * inv_rms);
+    }
+}
+
+static inline f32x16 splat16(float v) { return (f32x16){0} + v; }
+
+static inline f32x16 select16(i32x16 mask, f32x16 if_true, f32x16 if_false) {
+    return (f32x16)((mask & (i32x16)if_true) | (~mask & (i32x16)if_false));
+}
+
+/* silu() on 16 lanes with exactly its operations, so every lane equals the scalar result. Written
+ * with vector types because `omp simd` leaves the scalar one unvectorised below AVX-512 (its
+ * selects and clamp stay branches). Below AVX-512 GCC also splits compares of 16 lanes into
+ * scalar ones, so the two selects take their masks from sign bits (arithmetic shifts): |x| > 87
+ * from the bits of |x|, x >= 0 from x's sign (-0 differs, but takes t = exp(0) = 1 either way).
+ * rint is the 1.5 * 2^23 trick (exact for |v| < 2^22, here |v| < 126), which plain SSE2 has.
+ * A NaN stays a NaN. */
+static inline f32x16 silu16(f32x16 x) {
+    const i32x16 bits = (i32x16)x, abs_bits = bits & 0x7FFFFFFF;
+    const f32x16 a = select16((0x42AE0000 /* 87.0f */ - abs_bits) >> 31, splat16(87.0f), (f32x16)abs_bits);
+    const f32x16 v = -a * 1.44269504088896341f; /* exp_nonpositive(-a) from here */
+    const f32x16 n = (v + 12582912.0f) - 12582912.0f;
+    const f32x16 r = -a - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    f32x16 p = splat16(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const f32x16 t = p * (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
+    return x * (select16(~(bits >> 31), splat16(1.0f), t) / (1.0f + t));
+}
+
+/* out[0, n) = silu(gate) * up for n <= 16 floats (`bytes` = 4n); a partial vector is zero-padded. */
+static inline void silu_mul16(const float *gate, const float *up, float *out, size_t bytes) {
+    f32x16 g = {0}, u = {0};
+    memcpy(&g, gate, bytes);
+    memcpy(&u, up, bytes);
+    const f32x16 o = silu16(g) * u;
+    memcpy(out, &o, bytes);
+}
+
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim, int num_threads) {
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *gate = gate_up + i * 2 * dim, *up = gate + dim;
+        float *oi = out + i * dim;
+        int64_t j = 0;
+        for (; j + LANES <= dim; j += LANES) silu_mul16(gate + j, up + j, oi + j, sizeof(f32x16));
+        if (j < dim) silu_mul16(gate + j, up + j, oi + j, (size_t)(dim - j) * sizeof(float));
+    }
+}
+
+/* x: [rows, num_heads, head_dim] with a row stride; cos/sin: [max_position, head_dim] float32.
+ * Iteration j reads and writes only elements j and j + half, so rotating in place needs no copy. */
+void rope_f32(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table, const float *sin_table,
+              int64_t rows, int64_t num_heads, int64_t head_dim, int num_threads) {
+    const int64_t half = head_dim / 2;
+#pragma omp parallel for num_threads(team_size(rows, MIN_ROWS_PER_THREAD, num_threads)) schedule(static)
+    for (int64_t i = 0; i < rows; i++) {
+        const float *cos_row = cos_table + positions[i] * head_dim, *sin_row = sin_table + positions[i] * head_dim;
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *xh = x + i * row_stride + h * head_dim;
+#pragma omp simd
+            for (int64_t j = 0; j < half; j++) {
+                const float lo = xh[j], hi = xh[j + half];
+                xh[j] = lo * cos_row[j] + -hi * sin_row[j]; /* rotate_half(x) = [-hi, lo] */
+                xh[j + half] = hi * cos_row[j + half] + lo * sin_row[j + half];
             }
         }
     }

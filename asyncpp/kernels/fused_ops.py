@@ -1,8 +1,10 @@
-"""Fused bfloat16 CPU ops of the Llama layer (`fused_ops.c`): add + RMSNorm, SiLU * up, RoPE.
+"""Fused CPU ops of the Llama layer (`fused_ops.c`): add + RMSNorm, SiLU * up, RoPE, in bfloat16 or float32.
 
-`fused_ops(device, dtype)` returns a `FusedOps`, or None where they do not
-apply (float32 keeps the torch code the exactness tests rely on; other
-devices and machines without a C compiler keep it too).
+`fused_ops(device, dtype)` returns a `FusedOps` for one activation dtype, or
+None where they do not apply (float16, other devices and machines without a C
+compiler keep the torch code). bfloat16 ops round like the bfloat16 torch
+code; float32 ops are bit-identical to torch for the residual add and RoPE,
+and within float32 rounding of it for the norm and SiLU (see `fused_ops.c`).
 """
 
 from __future__ import annotations
@@ -16,30 +18,35 @@ from asyncpp.kernels.isa import native_level
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
-    "add_rms_norm_bf16": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
-    "silu_mul_bf16": [_PTR, _PTR, _I64, _I64, _INT],
-    "rope_bf16": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
+    "add_rms_norm": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32, _INT],
+    "silu_mul": [_PTR, _PTR, _I64, _I64, _INT],
+    "rope": [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT],
 }
+_SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the C functions are <op>_<suffix>
 MAX_ROPE_HEAD_DIM = 512
 
 
 class FusedOps:
-    """Each op takes bfloat16 CPU tensors whose last dimension is contiguous."""
+    """Each op takes CPU tensors of `dtype` whose last dimension is contiguous (cos/sin: float32)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
+    def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        fns = []
+        for op, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, f"{op}_{_SUFFIXES[dtype]}")
             fn.argtypes, fn.restype = argtypes, None
-        self._lib = lib
+            fns.append(fn)
+        self._add_rms_norm, self._silu_mul, self._rope = fns
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(residual + x) * weight, residual + x) for `[num_tokens, hidden]`; no input is modified."""
-        x = x.contiguous()
+        self._check(x, weight, x if residual is None else residual)
+        x, weight = x.contiguous(), weight.contiguous()  # kept alive by name through the call
         residual = None if residual is None else residual.contiguous()
         out, residual_out = torch.empty_like(x), torch.empty_like(x)
-        self._lib.add_rms_norm_bf16(
+        self._add_rms_norm(
             x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
             residual_out.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads(),
         )  # fmt: skip
@@ -47,25 +54,35 @@ class FusedOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """`[num_tokens, 2 * inter]` -> silu(gate) * up `[num_tokens, inter]`."""
+        self._check(gate_up)
         gate_up = gate_up.contiguous()
         out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-        self._lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], torch.get_num_threads())
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1], torch.get_num_threads())
         return out
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[num_tokens, num_heads, head_dim]` in place; cos/sin `[max_position, head_dim]` float32."""
+        self._check(x)
         num_tokens, num_heads, head_dim = x.shape
-        if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_ROPE_HEAD_DIM:
+        if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim > MAX_ROPE_HEAD_DIM or head_dim % 2:
             raise ValueError(f"rope_: unsupported layout {tuple(x.shape)} / {x.stride()}")
-        self._lib.rope_bf16(
+        if positions.dtype != torch.int64 or cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            raise TypeError(f"rope_: positions must be int64 and cos/sin float32, got {positions.dtype}, {cos.dtype}")
+        positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
+        self._rope(
             x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             num_tokens, num_heads, head_dim, torch.get_num_threads(),
         )  # fmt: skip
         return x
 
+    def _check(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.dtype != self.dtype:
+                raise TypeError(f"fused ops for {self.dtype} got a {t.dtype} tensor")
+
 
 def fused_ops(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> FusedOps | None:
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+    if torch.device(device).type != "cpu" or dtype not in _SUFFIXES:
         return None
     lib = load_kernel_library("fused_ops", isa or native_level())
-    return None if lib is None else FusedOps(lib)
+    return None if lib is None else FusedOps(lib, dtype)

@@ -1,4 +1,5 @@
-"""Fused bfloat16 ops against the torch code they replace in the model."""
+"""Fused bfloat16 ops against the torch code they replace in the model, at every ISA level the CPU runs;
+the float32 ops are in test_fused_ops_f32.py."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from asyncpp.kernels.fused_ops import fused_ops
+from asyncpp.kernels.isa import cpu_info
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.llama import MLP, RMSNorm, RotaryEmbedding
 
 BF16 = torch.bfloat16
+LEVELS = [level for level in cpu_info().supported_levels if level != "amx"]  # amx builds like avx512_bf16
 
 
-@pytest.fixture(scope="module")
-def ops():
-    fused = fused_ops("cpu", BF16)
+@pytest.fixture(scope="module", params=LEVELS)
+def ops(request):
+    fused = fused_ops("cpu", BF16, request.param)
     if fused is None:
         pytest.skip("no C compiler: fused ops unavailable")
     return fused
@@ -27,9 +30,25 @@ def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((ia - ib).abs().max())
 
 
-def test_only_bfloat16_on_cpu_is_fused():
-    assert fused_ops("cpu", torch.float32) is None
+def test_bfloat16_and_float32_on_cpu_are_fused():
+    for dtype in (BF16, torch.float32):
+        fused = fused_ops("cpu", dtype)
+        assert fused is None or fused.dtype == dtype  # None only without a C compiler
+    assert fused_ops("cpu", torch.float16) is None
     assert fused_ops("meta", BF16) is None
+    assert fused_ops("meta", torch.float32) is None
+
+
+def test_a_tensor_of_another_dtype_is_a_type_error(ops):
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError):
+        ops.add_rms_norm(x, None, torch.ones(8, dtype=BF16), 1e-5)
+    with pytest.raises(TypeError):
+        ops.add_rms_norm(x.to(BF16), None, torch.ones(8), 1e-5)
+    with pytest.raises(TypeError):
+        ops.silu_mul(x)
+    with pytest.raises(TypeError):
+        ops.rope_(x.view(2, 1, 8), torch.zeros(2, dtype=torch.int64), torch.ones(4, 8), torch.ones(4, 8))
 
 
 @pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
