@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-_DTYPES = ("float32", "bfloat16", "float16")
+from asyncpp.kernels.isa import ISA_LEVELS
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SOURCES = ("gguf", "hf", "random")
 _LINEAR_KERNELS = ("auto", "onednn")
+_CPU_ISAS = ("auto", *ISA_LEVELS)
+_WEIGHT_FORMATS = ("float", "native")
 
 
 class ConfigError(ValueError):
@@ -30,12 +34,20 @@ class ConfigError(ValueError):
 class ModelConfig:
     source: str = "gguf"  # gguf | hf | random
     path: str = ""  # file (gguf), directory (hf) or tiny config name (random); "" = default SmolLM2 GGUF
-    dtype: str = "bfloat16"
+    # "auto": bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16), else float32;
+    # resolved at start-up (asyncpp.engine.compute_plan), never written back here.
+    dtype: str = "auto"
     device: str = "cpu"
     max_model_len: int = 2048
     # bfloat16 CPU linears: "auto" = asyncpp's AVX512-BF16 kernel where the CPU has it and no
     # AMX, else oneDNN; "onednn" = always oneDNN (the same numbers as F.linear).
     linear_kernel: str = "auto"
+    # The CPU kernels' ISA level: "auto" = the best this CPU runs, or one of ISA_LEVELS to force a
+    # lower one (torch's own kernels are capped too). A level the CPU lacks fails at start-up.
+    cpu_isa: str = "auto"
+    # "float": weights converted to `dtype` at load; "native": kept in the file's format (GGUF
+    # quantized blocks, float16, ...) and multiplied in float32 (dtype float32 or auto; CPU only).
+    weight_format: str = "float"
     # CUDA stages: capture a graph per stage for decode steps of these batch sizes (a step is
     # padded to the next one; larger steps and prefills run eagerly). Ignored on CPU.
     cuda_graphs: bool = True
@@ -48,6 +60,10 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.linear_kernel not in _LINEAR_KERNELS:
             raise ConfigError(f"model.linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.cpu_isa not in _CPU_ISAS:
+            raise ConfigError(f"model.cpu_isa must be one of {_CPU_ISAS}, got {self.cpu_isa!r}")
+        if self.weight_format not in _WEIGHT_FORMATS:
+            raise ConfigError(f"model.weight_format must be one of {_WEIGHT_FORMATS}, got {self.weight_format!r}")
         if not _is_device_name(self.device):
             raise ConfigError(f"model.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len)

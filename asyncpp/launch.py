@@ -23,6 +23,7 @@ import uvloop
 from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices
+from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
@@ -60,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def stage_args_for(
     config: EngineConfig,
+    plan: ComputePlan,
     capacity: EngineCapacity,
     addresses: RunAddresses,
     ns,
@@ -75,7 +77,9 @@ def stage_args_for(
             end_layer=end,
             model_source=config.model.source,
             model_path=config.model.path_or_none,
-            dtype=config.model.dtype,
+            dtype=plan.dtype,
+            isa=plan.isa,
+            weight_format=plan.weight_format,
             device=devices[rank],
             peer_device=devices[rank - 1] if rank > 0 else devices[rank],
             graph_sizes=decode_graph_sizes(config, devices[rank]),
@@ -109,20 +113,22 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     log = get_logger(role="launch")
     torch.set_num_threads(1)  # the engine process schedules; the stages compute
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
+    plan = resolve_compute_plan(config.model, config.stage_devices)  # so is an ISA level it lacks
+    log.info("compute_plan", **plan.describe())
     arch = read_arch(config.model.source, config.model.path_or_none)
-    capacity = resolve_capacity(config, arch)
+    capacity = resolve_capacity(config, arch, plan.dtype)
     addresses = RunAddresses.create()
     server = None
     http = None
     kv_connector = None
     try:
         # Before any stage starts: a bad connector name or store fails here, naming its key.
-        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, addresses.run_id)
+        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, addresses.run_id, plan.dtype)
         kv_connector = create_scheduler_connector(kv_ctx, config.kv_transfer.module)
     except Exception:
         shutil.rmtree(addresses.run_dir, ignore_errors=True)
         raise
-    stages = StageGroup(stage_args_for(config, capacity, addresses, ns, kv_ctx), addresses)
+    stages = StageGroup(stage_args_for(config, plan, capacity, addresses, ns, kv_ctx), addresses)
     try:
         stages.start()
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
@@ -141,6 +147,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             max_cohorts=config.parallel.steps_in_flight,
             async_scheduling=config.scheduler.async_scheduling,
             grace_period_s=config.server.grace_period_s,
+            compute_plan=plan,
         )
         log.info(
             "engine_ready",
@@ -151,6 +158,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             layer_ranges=capacity.layer_ranges,
             num_kv_blocks=num_blocks,
             kv_connector=config.kv_transfer.connector,
+            weight_bytes_per_stage=[r.weight_nbytes for r in readies],
             startup_s=round(time.monotonic() - t0, 2),
         )
         loop = asyncio.get_running_loop()
@@ -160,7 +168,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             http = await start_http(ns.config, config, router.address, ns)
             print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
-        print(f"asyncpp ready: clients connect to {router.address}", file=sys.stderr, flush=True)
+        print(f"asyncpp ready: clients connect to {router.address} ({plan.summary()})", file=sys.stderr, flush=True)
         with profiled("engine"):
             serving = asyncio.create_task(server.serve())
             if ns.prompt is not None:

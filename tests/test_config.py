@@ -20,7 +20,8 @@ def test_shipped_configs_load(name):
 
 def test_default_config_is_the_documented_deployment():
     config = load_config(CONFIGS / "default.toml")
-    assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "bfloat16", "cpu")
+    assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "auto", "cpu")
+    assert (config.model.cpu_isa, config.model.weight_format) == ("auto", "float")
     assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
     assert config.parallel.steps_in_flight == 2  # one cohort per stage
     assert config.server.host == "127.0.0.1"
@@ -43,6 +44,10 @@ def test_config_is_frozen():
         ({"model": {"dtype": "float8"}}, "model.dtype"),
         ({"model": {"source": "onnx"}}, "model.source"),
         ({"model": {"linear_kernel": "mkl"}}, "model.linear_kernel must be one of"),
+        ({"model": {"cpu_isa": "sse4"}}, "model.cpu_isa must be one of"),
+        ({"model": {"cpu_isa": "AVX2"}}, "model.cpu_isa must be one of"),
+        ({"model": {"weight_format": "q4_0"}}, "model.weight_format must be one of"),
+        ({"model": {"dtype": "int8"}}, "model.dtype must be one of"),
         ({"model": "gguf"}, "section model must be a table"),
         ({"parallel": {"pp_size": 2, "layer_split": [1, "2"]}}, "parallel.layer_split[1] must be int"),
         ({"parallel": {"pp_size": 3, "layer_split": [1, 2]}}, "parallel.layer_split has 2 entries"),
@@ -67,6 +72,15 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[model\nsource = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_model_defaults_leave_dtype_and_isa_to_start_up():
+    model = config_from_dict({}).model
+    assert (model.dtype, model.cpu_isa, model.weight_format) == ("auto", "auto", "float")
+    # Every level is accepted here, whether or not this CPU runs it: that is checked at start-up.
+    for level in ("generic", "avx2", "avx512", "avx512_bf16", "amx"):
+        assert config_from_dict({"model": {"cpu_isa": level}}).model.cpu_isa == level
+    assert config_from_dict({"model": {"weight_format": "native", "dtype": "float32"}}).model.weight_format == "native"
 
 
 def test_int_accepted_for_float_fields():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncpp.bench.compute_report import compute_cell, compute_lines, weight_mb
 from asyncpp.bench.kv_report import kv_hits, kv_lines, kv_rates
 
 WIDTH = 60
@@ -62,6 +63,9 @@ def run_block(run: dict[str, Any]) -> str:
         lines.append(f"{name:<40}{value:>20}")
 
     _metric_lines(lines, m)
+    if run.get("compute"):
+        lines.append(" Compute ".center(WIDTH, "-"))
+        lines += compute_lines(run["compute"])
     lines.append(" Pipeline stages (measured window) ".center(WIDTH, "-"))
     for rank, busy in enumerate(st["busy_fraction"]):
         row(f"Stage {rank} busy fraction:", fmt(busy, 3))
@@ -97,6 +101,9 @@ def summary_table(result: dict[str, Any]) -> str:
     ms = [r["metrics"] for r in runs]
     best = hf["best"] if hf else {}
     add("cores (torch threads)", [str(r["num_cores"]) for r in runs], str(best.get("num_threads", "")))
+    if any(r.get("compute") for r in runs):
+        add("isa / dtype / weights", [compute_cell(r.get("compute")) for r in runs], "-")
+        add("weights MB per stage", [weight_mb(r.get("compute")) for r in runs], "-")
     add("req/s", [fmt(m["request_throughput"]) for m in ms], fmt(best.get("request_throughput")))
     add("output tok/s", [fmt(m["output_throughput"], 1) for m in ms], fmt(best.get("output_throughput"), 1))
     add("duration s", [fmt(m["duration_s"]) for m in ms], fmt(best.get("duration_s")))

@@ -51,6 +51,7 @@ import uvloop
 
 import asyncpp
 from asyncpp.bench import report
+from asyncpp.bench.compute_report import compute_section
 from asyncpp.bench.cpu import window_cpu
 from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
@@ -61,6 +62,8 @@ from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
 from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
 from asyncpp.bench.shared_prefix import cold_warm_ttft, prefix_group, shared_prefix_requests
+from asyncpp.engine.compute_plan import resolve_compute_plan
+from asyncpp.kernels.isa import cpu_info
 from asyncpp.profiling import profiled
 from asyncpp.progress import Progress
 
@@ -175,6 +178,9 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         metrics |= cold_warm_ttft(load.records, groups)
     stages = stage_figures(load.stats_before, load.stats_after)
     after = load.stats_after
+    compute = compute_section(after)
+    # What the engine resolved "auto" to; the same resolution here if it did not say.
+    dtype = compute["dtype"] if compute else resolve_compute_plan(config.model, config.stage_devices).dtype
     return {
         "label": run.label,
         "backend": backend,
@@ -184,9 +190,11 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         "num_threads": config.parallel.num_threads,
         "num_cores": config.parallel.pp_size * config.parallel.num_threads,
         "metrics": metrics,
+        "dtype": dtype,  # resolved: the model's, the activations' and the KV cache's
+        "compute": compute,
         "stages": stages,
         "cpu": cpu_section(load, metrics["total_output_tokens"]),
-        "memcpy": memcpy_reference(config, metrics, stages["num_steps"]),
+        "memcpy": memcpy_reference(config, dtype, metrics, stages["num_steps"]),
         "kv_transfer": kv_section(load.stats_before, load.stats_after),
         "engine": {
             "pid": engine.pid,
@@ -233,8 +241,9 @@ def cpu_section(load: LoadResult, num_output_tokens: int) -> dict[str, Any]:
     }
 
 
-def memcpy_reference(config, metrics: dict[str, Any], num_steps: int) -> dict[str, Any]:
-    """memcpy of a decode step (mean tokens sampled per step) and a prefill step (a full token budget)."""
+def memcpy_reference(config, dtype: str, metrics: dict[str, Any], num_steps: int) -> dict[str, Any]:
+    """memcpy of a decode step (mean tokens sampled per step) and a prefill step (a full token budget),
+    of activations in `dtype` (the resolved one)."""
     from asyncpp.weights import read_arch
 
     arch = read_arch(config.model.source, config.model.path_or_none)
@@ -242,7 +251,7 @@ def memcpy_reference(config, metrics: dict[str, Any], num_steps: int) -> dict[st
     prefill_tokens = max(1, min(config.scheduler.max_num_batched_tokens, metrics["total_input_tokens"]))
     out = {}
     for kind, num_tokens in (("decode", decode_tokens), ("prefill", prefill_tokens)):
-        nbytes = handoff_nbytes(arch.hidden_size, num_tokens, config.model.dtype)
+        nbytes = handoff_nbytes(arch.hidden_size, num_tokens, dtype)
         out[kind] = {"num_tokens": num_tokens, **time_memcpy_us(nbytes, config.parallel.num_threads)}
     return out
 
@@ -255,7 +264,7 @@ def compare_transformers(args, runs: list[dict], baseline: dict, requests) -> di
     batch_sizes = [len(requests) if b.strip() == "all" else int(b) for b in args.compare_batch_sizes.split(",")]
     results = compare(
         requests, sorted(set(batch_sizes)), source=model.get("source", "gguf"), path=model.get("path") or None,
-        dtype=model.get("dtype", "bfloat16"), num_threads=num_threads, ignore_eos=args.ignore_eos,
+        dtype=baseline["dtype"], num_threads=num_threads, ignore_eos=args.ignore_eos,
         device=model.get("device", "cpu"),
     )
     by_size = [r.to_dict() for r in results]
@@ -284,6 +293,8 @@ def machine_info() -> dict[str, Any]:
         "python_version": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor(),
+        "cpu_model": cpu_info().model_name,
+        "best_isa": cpu_info().best_level,
         "asyncpp_version": asyncpp.__version__,
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -2,13 +2,16 @@
 
 `add_request` validates and tokenizes (touching no state on error), `step`
 runs one scheduled step and returns the streamed deltas, `abort` finishes a
-request and frees its blocks, `generate` is the synchronous convenience.
+request and frees its blocks, `generate` is the synchronous convenience,
+`stats` the counters, the compute plan (ISA level, resolved dtype, weight
+format: `compute_plan.py`) and each stage's resident weight bytes.
 The pipeline runtime wraps the same scheduler and processors around stage
 processes instead of the in-process executor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -22,11 +25,13 @@ from asyncpp.config import EngineConfig
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
+from asyncpp.engine.compute_plan import ComputePlan, compute_stats, resolve_compute_plan
 from asyncpp.engine.executor import InProcessExecutor
 from asyncpp.engine.input_processor import InputProcessor, Prompt
 from asyncpp.engine.output_processor import OutputProcessor
 from asyncpp.engine.outputs import Completion, RequestOutput
 from asyncpp.errors import InvalidRequestError
+from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.kv_transfer.aggregator import KVOutputAggregator
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
@@ -55,7 +60,8 @@ class EngineCapacity:
     layer_ranges: list[tuple[int, int]]
 
 
-def resolve_capacity(config: EngineConfig, arch: ModelArch) -> EngineCapacity:
+def resolve_capacity(config: EngineConfig, arch: ModelArch, dtype: str) -> EngineCapacity:
+    """Layer ranges and KV blocks per stage; `dtype`: the resolved one (`ComputePlan.dtype`), never "auto"."""
     if config.model.max_model_len > arch.max_position_embeddings:
         raise ValueError(
             f"model.max_model_len {config.model.max_model_len} exceeds the model's "
@@ -64,16 +70,19 @@ def resolve_capacity(config: EngineConfig, arch: ModelArch) -> EngineCapacity:
     ranges = compute_layer_ranges(
         arch.num_layers, config.parallel.pp_size, config.parallel.layer_split, head_cost_in_layers(arch)
     )
-    dtype = torch_dtype(config.model.dtype)
+    kv_dtype = torch_dtype(dtype)
     num_blocks = config.cache.num_kv_blocks_override or min(
-        stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, dtype)
+        stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, kv_dtype)
         for start, end in ranges
     )
     return EngineCapacity(num_blocks, config.cache.block_size, config.model.max_model_len, ranges)
 
 
-def kv_connector_context(config: EngineConfig, arch: ModelArch, layer_ranges, run_id: str) -> ConnectorContext | None:
-    """The KV connector's plain values (None without one); fails naming the key on a bad connector name."""
+def kv_connector_context(
+    config: EngineConfig, arch: ModelArch, layer_ranges, run_id: str, dtype: str
+) -> ConnectorContext | None:
+    """The KV connector's plain values (None without one); fails naming the key on a bad connector name.
+    `dtype`: the KV cache's, resolved (`ComputePlan.dtype`)."""
     model_id = f"{config.model.source}:{Path(config.model.path).resolve() if config.model.path else 'default'}"
     return connector_context(
         config.kv_transfer,
@@ -81,7 +90,7 @@ def kv_connector_context(config: EngineConfig, arch: ModelArch, layer_ranges, ru
         block_size=config.cache.block_size,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        dtype=config.model.dtype,
+        dtype=dtype,
         model_id=model_id,
         run_id=run_id,
     )
@@ -224,14 +233,19 @@ class Engine(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         devices = check_devices(config)
+        plan = resolve_compute_plan(config.model, devices)  # a bad cpu_isa / dtype / weight_format: here
         arch = read_arch(config.model.source, config.model.path_or_none)
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
-        capacity = resolve_capacity(config, arch)
-        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, run_id=f"{os.getpid()}-{next(_RUN_IDS)}")
+        capacity = resolve_capacity(config, arch, plan.dtype)
+        run_id = f"{os.getpid()}-{next(_RUN_IDS)}"
+        kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, run_id, plan.dtype)
         kv_module = config.kv_transfer.module
         super().__init__(config, arch, tokenizer, capacity, create_scheduler_connector(kv_ctx, kv_module))
-        dtype = torch_dtype(config.model.dtype)
+        self.compute_plan = plan
+        self._log_compute_plan(plan)
+        dtype = torch_dtype(plan.dtype)
         runners = []
+        self.weight_bytes_per_stage: list[int] = []  # resident weight bytes of each stage's slice
         for rank, (start, end) in enumerate(capacity.layer_ranges):
             device = devices[rank]
             model = build_model_slice(
@@ -243,7 +257,10 @@ class Engine(EngineCore):
                 dtype,
                 device,
                 config.model.linear_kernel,
+                isa=plan.isa,
+                weight_format=plan.weight_format,
             )
+            self.weight_bytes_per_stage.append(model.weight_nbytes())
             runner = build_runner(
                 model,
                 num_blocks=capacity.num_blocks,
@@ -254,11 +271,37 @@ class Engine(EngineCore):
                 kv_connector=create_worker_connector(kv_ctx, rank, kv_module),
                 graph_sizes=decode_graph_sizes(config, device),
                 max_model_len=capacity.max_model_len,
+                isa=plan.isa,
             )
             runner.build_graphs()
             runners.append(runner)
         self.executor = InProcessExecutor(runners)
-        self.log.info("engine_ready", num_blocks=capacity.num_blocks, layer_ranges=capacity.layer_ranges)
+        self.log.info(
+            "engine_ready", num_blocks=capacity.num_blocks, layer_ranges=capacity.layer_ranges,
+            weight_bytes_per_stage=self.weight_bytes_per_stage,
+        )  # fmt: skip
+
+    def _log_compute_plan(self, plan: ComputePlan) -> None:
+        self.log.info("compute_plan", **plan.describe())
+        # torch is imported already: its own kernels run at the level of this process's environment.
+        uncapped = {k: v for k, v in torch_isa_env(plan.isa).items() if os.environ.get(k) != v}
+        if uncapped:
+            self.log.warning(
+                "torch_isa_not_capped", isa=plan.isa, best_isa=plan.best_isa,
+                hint=f"start this process with {' '.join(f'{k}={v}' for k, v in uncapped.items())}",
+            )  # fmt: skip
+
+    def stats(self) -> dict[str, Any]:
+        """Like `client.stats()` of a launched engine: scheduler counts, KV blocks, the compute plan
+        and each stage's resident weight bytes."""
+        bm = self.block_manager
+        return {
+            **dataclasses.asdict(self.scheduler.stats()),
+            "num_kv_blocks": bm.num_blocks,
+            "num_free_kv_blocks": bm.num_free_blocks,
+            **compute_stats(self.compute_plan, self.weight_bytes_per_stage),
+            **self.kv_stats(),
+        }
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -42,6 +42,7 @@ from typing import Any
 
 from asyncpp.core.plan import StepPlan
 from asyncpp.core.request import RequestStatus
+from asyncpp.engine.compute_plan import ComputePlan, compute_stats
 from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.errors import InvalidRequestError
@@ -86,6 +87,7 @@ class EngineServer:
         max_cohorts: int | None = None,
         async_scheduling: bool = False,
         grace_period_s: float = 5.0,
+        compute_plan: ComputePlan | None = None,
     ) -> None:
         self.core = core
         self.stages = stages
@@ -96,6 +98,7 @@ class EngineServer:
             raise ValueError(f"max_cohorts must be in 1..pp_size + 1 = {self.pp_size + 1}, got {max_cohorts}")
         self.async_scheduling = async_scheduling
         self.grace_period_s = grace_period_s
+        self.compute_plan = compute_plan  # what the stages compute with, for stats
         self.in_flight: dict[int, _InFlightStep] = {}
         # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
         self.cohorts: list[list[int]] = []
@@ -443,8 +446,15 @@ class EngineServer:
             "is_dead": self.is_dead,
             "stage_pids": [p.pid for p in self.stages.procs],
             "run_id": self.stages.addresses.run_id,
+            **self._compute_stats(),
             **self.core.kv_stats(),
         }
+
+    def _compute_stats(self) -> dict[str, Any]:
+        """The compute plan and each stage's resident weight bytes (from its ready-ack)."""
+        if self.compute_plan is None:
+            return {}
+        return compute_stats(self.compute_plan, [ready.weight_nbytes for ready in self.stages.readies])
 
 
 def _percentile(values, q: float) -> float | None:

@@ -2,17 +2,23 @@
 
 Owns the child processes and the names of their shared-memory rings, so that
 whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
-and every segment unlinked.
+and every segment unlinked. A stage whose ISA level is below the CPU's best
+starts with `torch_isa_env(level)` in its environment (torch reads it when
+the child imports it), set around that child's start only.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
+import os
 import shutil
 import time
+from collections.abc import Iterator
 from multiprocessing import shared_memory
 
+from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.stage_process import StageArgs, stage_main
 from asyncpp.wire.codec import encode
@@ -37,8 +43,9 @@ class StageGroup:
         self.readies: list[StageReady] = []
 
     def start(self) -> None:
-        for p in self.procs:
-            p.start()
+        for args, p in zip(self.stage_args, self.procs):
+            with _environ(torch_isa_env(args.isa) if args.isa else {}):
+                p.start()
 
     def dead_stages(self) -> list[int]:
         return [rank for rank, p in enumerate(self.procs) if p.exitcode is not None]
@@ -136,3 +143,22 @@ class StageGroup:
             q.close()
         self.outputs.close()
         shutil.rmtree(self.addresses.run_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]) -> Iterator[None]:
+    """`updates` in os.environ for the block, then the previous values back.
+
+    A spawned child is exec'd with the parent's environment as it is at
+    `Process.start()`, so this sets the child's environment and no one else's.
+    """
+    previous = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -51,7 +51,7 @@ class StageArgs:
     end_layer: int
     model_source: str
     model_path: str | None
-    dtype: str
+    dtype: str  # resolved (`ComputePlan.dtype`), never "auto"
     device: str
     linear_kernel: str
     num_threads: int
@@ -64,6 +64,8 @@ class StageArgs:
     peer_device: str = "cpu"  # the previous stage's device (it writes into this stage's ring)
     graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
     max_model_len: int = 0
+    isa: str | None = None  # the CPU kernels' ISA level (None: the CPU's best); StageGroup caps torch's too
+    weight_format: str = "float"  # "float" | "native" (the file's quantized blocks, float32 compute)
     kv_connector: ConnectorContext | None = None  # None: no KV connector
     kv_connector_module: str = ""  # imported before the connector is looked up (out-of-tree connectors)
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
@@ -151,8 +153,9 @@ class Stage:
         arch = read_arch(a.model_source, a.model_path)
         dtype = torch_dtype(a.dtype)
         self.model = build_model_slice(
-            a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device, a.linear_kernel
-        )
+            a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device, a.linear_kernel,
+            isa=a.isa, weight_format=a.weight_format,
+        )  # fmt: skip
         recv_spec = None
         if not a.is_first:
             recv_spec = RingSpec(
@@ -170,10 +173,16 @@ class Stage:
             recv_spec = self.receiver.spec  # with the transport's handles
         num_blocks = stage_num_blocks(arch, a.end_layer - a.start_layer, a.kv_cache_memory_mb, a.block_size, dtype)
         load_time_s = time.time() - t0
+        weight_nbytes = self.model.weight_nbytes()
         self.outputs.put(
-            StageReady(a.pp_rank, os.getpid(), a.start_layer, a.end_layer, num_blocks, recv_spec, load_time_s)
+            StageReady(
+                a.pp_rank, os.getpid(), a.start_layer, a.end_layer, num_blocks, recv_spec, load_time_s, weight_nbytes
+            )
         )
-        self.log.info("stage_ready", num_kv_blocks=num_blocks, load_time_s=round(load_time_s, 3))
+        self.log.info(
+            "stage_ready", num_kv_blocks=num_blocks, load_time_s=round(load_time_s, 3), weight_nbytes=weight_nbytes,
+            isa=a.isa, dtype=a.dtype, weight_format=a.weight_format,
+        )  # fmt: skip
         start = self.plans.get()
         if isinstance(start, Shutdown):
             raise SystemExit(0)
@@ -193,6 +202,7 @@ class Stage:
             kv_connector=create_worker_connector(a.kv_connector, a.pp_rank, a.kv_connector_module),
             graph_sizes=a.graph_sizes,
             max_model_len=a.max_model_len,
+            isa=a.isa,
         )
         # The graphs read the ring's slots in place: the previous stage's write is the only copy.
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)

@@ -29,6 +29,7 @@ class StageReady:
     num_kv_blocks: int  # what this stage's budget holds; the engine uses the smallest
     recv_ring: RingSpec | None  # None on stage 0 (it receives token ids, not activations)
     load_time_s: float
+    weight_nbytes: int  # resident bytes of this stage's weights (packed copies included), for stats
 
 
 @message("stage_start")

@@ -12,6 +12,7 @@ from asyncpp.bench import serve
 from asyncpp.bench.datasets import random_requests
 from asyncpp.bench.engine_proc import launched_engine
 from asyncpp.bench.metrics import RATIO_METRICS
+from asyncpp.kernels.isa import cpu_info
 from tests.conftest import has_transformers
 from tests.runtime.conftest import wait_until
 from tests.runtime.harness import pid_alive, shm_segments, tiny_sections, to_toml
@@ -52,6 +53,20 @@ def test_json_has_args_machine_runs(result):
     for run in result["runs"]:
         assert set(METRIC_KEYS) <= set(run["metrics"])
         assert all(run["metrics"][k] is not None for k in METRIC_KEYS), run["metrics"]
+
+
+def test_json_has_what_each_engine_computed_with(result):
+    best = cpu_info().best_level
+    assert result["machine"]["best_isa"] == best and result["machine"]["cpu_model"] == cpu_info().model_name
+    for run in result["runs"]:
+        compute = run["compute"]
+        assert (compute["isa"], compute["best_isa"], compute["dtype"], compute["weight_format"]) == (
+            best, best, "float32", "float"
+        )
+        assert compute["cpu_model"] == cpu_info().model_name and compute["reason"]
+        assert run["dtype"] == "float32"  # the resolved one, as the memcpy reference uses it
+        assert len(compute["weight_bytes_per_stage"]) == run["pp_size"]
+        assert all(n > 0 for n in compute["weight_bytes_per_stage"]) and all(mb > 0 for mb in compute["weight_mb_per_stage"])
 
 
 def test_every_request_completed_with_its_output_length(result):

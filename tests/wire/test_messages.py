@@ -62,8 +62,8 @@ PLAN = StepPlan(
 MESSAGES = [
     PLAN,
     StepPlan(step_id=0, scheduled=[]),
-    StageReady(1, 4242, 2, 4, 1024, RING, 0.25),
-    StageReady(0, 4241, 0, 2, 1000, None, 1.5),
+    StageReady(1, 4242, 2, 4, 1024, RING, 0.25, 56_623_104),
+    StageReady(0, 4241, 0, 2, 1000, None, 1.5, 0),
     StageStart(1000, RING),
     StageStart(1000, None),
     StageOutput(
@@ -241,6 +241,7 @@ WRONG_TYPES = [
     (_with(HealthRequest(), ["nonce"], 1.5), "HealthRequest.nonce must be int, got float"),
     (_with(HealthReply(1, True), ["is_healthy"], 1), "HealthReply.is_healthy must be bool, got int"),
     (_with(StageOutput(1, 0), ["busy_s"], "fast"), "StageOutput.busy_s must be a number, got str"),
+    (_with(MESSAGES[2], ["weight_nbytes"], 1.5), "StageReady.weight_nbytes must be int, got float"),
     (_with(StageOutput(1, 0), ["busy_s"], False), "StageOutput.busy_s must be a number, got bool"),
     (_with(PLAN, ["scheduled"], {"a": 1}), "StepPlan.scheduled must be a list, got dict"),
     (_with(PLAN, ["scheduled", 0], [1, 2]), r"StepPlan.scheduled\[0\] must be a map, got list"),

@@ -1,0 +1,122 @@
+"""What a deployment computes with: the CPU's ISA level, the dtype and the weight format.
+
+`resolve_compute_plan(model_config, devices)` turns `model.cpu_isa`,
+`model.dtype` ("auto" included) and `model.weight_format` into a frozen
+`ComputePlan`, once, at start-up, in the composition root (the launcher or
+the in-process `Engine`); everything that builds a model, a KV cache or an
+activation ring takes the plan's resolved values, never the config's
+"auto". A bad combination is a `ConfigError` naming the key:
+
+- `cpu_isa`: "auto" is the CPU's best level; a level it lacks is an error;
+- `dtype = "auto"`: bfloat16 on CUDA; float32 with `weight_format = "native"`
+  (its kernels compute in float32); on CPU bfloat16 where the level has
+  native bfloat16 dot products (avx512_bf16 and up), else float32 (bfloat16
+  matmuls would run on a slow conversion path). An explicit dtype is kept,
+  even a slow one;
+- `weight_format = "native"` needs float32 and a CPU (no CUDA kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from asyncpp.config import ConfigError, ModelConfig
+from asyncpp.kernels import isa as kernel_isa
+
+# The levels whose dot products take bfloat16 natively, as a reason names them.
+_NATIVE_BF16 = {"avx512_bf16": "AVX512-BF16", "amx": "AMX-BF16"}
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    """The resolved compute settings of every stage, and why; plain values, for logs and stats."""
+
+    isa: str  # the level the CPU kernels are built for (one of ISA_LEVELS)
+    dtype: str  # "float32" | "bfloat16" | "float16": weights (float format), activations, KV cache
+    weight_format: str  # "float" | "native"
+    reason: str  # one sentence, "<dtype>: why", e.g. "float32: weight_format = native computes in float32"
+    cpu_model: str
+    cpu_features: dict[str, bool]
+    best_isa: str  # the best level this CPU runs
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as flat fields, for a structlog event or `client.stats()`."""
+        return {
+            "cpu_model": self.cpu_model,
+            "isa": self.isa,
+            "best_isa": self.best_isa,
+            "dtype": self.dtype,
+            "weight_format": self.weight_format,
+            "reason": self.reason,
+            "cpu_features": dict(self.cpu_features),
+        }
+
+    def summary(self) -> str:
+        """One short line: `cpu: avx2 of avx512_bf16; dtype float32: <why>; weights float`."""
+        return f"cpu: {self.isa} of {self.best_isa}; dtype {self.reason}; weights {self.weight_format}"
+
+
+def resolve_compute_plan(
+    model: ModelConfig, devices: Sequence[str], info: kernel_isa.CpuInfo | None = None
+) -> ComputePlan:
+    """The plan for `model` on the stages' `devices`; `info`: the CPU (default: this machine's)."""
+    info = info or kernel_isa.cpu_info()
+    try:
+        isa = kernel_isa.resolve_isa(model.cpu_isa, info, key="model.cpu_isa")
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    on_cuda = any(d.split(":")[0] == "cuda" for d in devices)
+    _check_weight_format(model, on_cuda)
+    dtype, reason = _choose_dtype(model, isa, info, on_cuda)
+    return ComputePlan(
+        isa=isa,
+        dtype=dtype,
+        weight_format=model.weight_format,
+        reason=reason,
+        cpu_model=info.model_name,
+        cpu_features=info.features(),
+        best_isa=info.best_level,
+    )
+
+
+def _check_weight_format(model: ModelConfig, on_cuda: bool) -> None:
+    if model.weight_format != "native":
+        return
+    if on_cuda:
+        raise ConfigError(
+            'model.weight_format = "native" has no CUDA kernel: use weight_format = "float" on CUDA stages'
+        )
+    if model.dtype not in ("auto", "float32"):
+        raise ConfigError(
+            f'model.weight_format = "native" computes in float32 but model.dtype is {model.dtype!r}: '
+            'set model.dtype = "float32" (or "auto"), or model.weight_format = "float"'
+        )
+
+
+def _choose_dtype(model: ModelConfig, isa: str, info: kernel_isa.CpuInfo, on_cuda: bool) -> tuple[str, str]:
+    """(dtype, reason) for `model.dtype` at `isa`."""
+    native_bf16 = _NATIVE_BF16.get(isa, isa) if kernel_isa.at_least(isa, "avx512_bf16") else None
+    if model.dtype != "auto":
+        if model.dtype == "bfloat16" and not on_cuda and native_bf16 is None:
+            return "bfloat16", f"bfloat16: set by model.dtype, though {_no_bf16(isa, info)} (bf16 matmul runs slowly)"
+        return model.dtype, f"{model.dtype}: set by model.dtype"
+    if on_cuda:
+        return "bfloat16", "bfloat16: CUDA computes it natively"
+    if model.weight_format == "native":
+        return "float32", "float32: weight_format = native computes in float32"
+    if native_bf16 is not None:
+        return "bfloat16", f"bfloat16: the CPU computes it natively ({native_bf16})"
+    return "float32", f"float32: {_no_bf16(isa, info)}; bf16 matmul would run on a slow path"
+
+
+def _no_bf16(isa: str, info: kernel_isa.CpuInfo) -> str:
+    """Why `isa` has no native bfloat16: the CPU lacks it, or the level was forced below it."""
+    if info.supports("avx512_bf16"):
+        return f"no native bfloat16 at cpu_isa = {isa}"
+    return f"no native bfloat16 on this CPU ({isa})"
+
+
+def compute_stats(plan: ComputePlan, weight_bytes_per_stage: Sequence[int]) -> dict[str, Any]:
+    """The plan's fields and each stage's resident weight bytes, as `stats()` reports them."""
+    return {**plan.describe(), "weight_bytes_per_stage": [int(n) for n in weight_bytes_per_stage]}
