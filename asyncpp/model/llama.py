@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncpp.kernels.fused_ops import FusedOps
+from asyncpp.kernels.layer_stack import LayerStack
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.attention import AttentionMetadata, paged_attention
 from asyncpp.model.intermediate import IntermediateTensors
@@ -170,6 +171,7 @@ class LlamaModel(nn.Module):
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.requires_grad_(False)
         self.fused: FusedOps | None = None
+        self.stack: LayerStack | None = None
 
     def use_fused_ops(self, fused: FusedOps | None) -> None:
         """Run norms, SiLU * up and RoPE through `fused` (None: plain torch)."""
@@ -177,6 +179,11 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, (RMSNorm, MLP)):
                 module.fused = fused
+
+    def use_layer_stack(self, stack: "LayerStack | None") -> None:
+        """Run the decoder layers through `stack` (one C call, the same kernels) when a step's
+        attention goes through the decode kernel; None: module by module."""
+        self.stack = stack
 
     @property
     def num_layers(self) -> int:
@@ -210,9 +217,12 @@ class LlamaModel(nn.Module):
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
-        rope = self.rope.for_step(positions, hidden.dtype, self.fused)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
+        if self.stack is not None and meta.kernel_rows is not None:
+            hidden, residual = self.stack.forward(hidden, residual, positions, kv_caches, meta)
+        else:
+            rope = self.rope.for_step(positions, hidden.dtype, self.fused)
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
         if not self.is_last:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         return self.norm(hidden, residual)[0]

@@ -18,6 +18,8 @@ from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
+from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.layer_stack import LayerStack
 from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.model.llama import LlamaModel
 from asyncpp.model.native_linear import NativeWeights
@@ -82,6 +84,7 @@ def build_model_slice(
     if bf16_kernel is not None or can_pack(device, dtype):
         num_packed = pack_linear_layers(model, bf16_kernel)
     model.use_fused_ops(fused_ops(device, dtype, isa))
+    model.use_layer_stack(LayerStack.build(model, isa or native_level()) if qlinear is not None else None)
     log.info(
         "model_slice_loaded",
         source=source,
@@ -92,6 +95,7 @@ def build_model_slice(
         linear_backend=_linear_backend(qlinear is not None, bf16_kernel is not None, num_packed),
         weight_mb=round(model.weight_nbytes() / 2**20, 1),
         fused_ops=model.fused is not None,
+        layer_stack=model.stack is not None,
         duration_s=round(time.perf_counter() - t0, 3),
     )
     return model

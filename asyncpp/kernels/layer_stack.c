@@ -1,0 +1,121 @@
+/* A stage's decoder layers in one call: the float32 CPU path of `LlamaModel.forward`.
+ *
+ * A decode step of a small batch spends as long in Python between kernels
+ * (module calls, tensor allocations, ctypes) as in the kernels themselves:
+ * about 100 us per layer. This runs the same kernels in the same order on the
+ * same data, called through function pointers the Python side takes from the
+ * other kernel libraries (qlinear, fused_ops, decode_attention), so its
+ * results are bit-identical to the module-by-module forward:
+ *
+ *   normed, residual = add_rms_norm(hidden, residual)      (residual absent: hidden)
+ *   qkv = qkv_proj(normed); rope(q and k heads of qkv); k, v -> cache slots
+ *   attn = attention(q of every token over its own context)
+ *   hidden = o_proj(attn)
+ *   normed, residual = add_rms_norm(hidden, residual)
+ *   hidden = down_proj(silu(gate) * up), [gate, up] = gate_up_proj(normed)
+ *
+ * `hidden` and `residual` [num_tokens, hidden] are read and overwritten;
+ * `scratch` holds the intermediate rows (stack_scratch_floats).
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*linear_fn)(int fmt, const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
+                         int64_t k, float *y, int64_t ldy, int num_threads);
+typedef void (*norm_fn)(const float *x, const float *residual, const float *weight, float *residual_out, float *out,
+                        int64_t rows, int64_t dim, float eps, int num_threads);
+typedef void (*silu_fn)(const float *gate_up, float *out, int64_t rows, int64_t dim, int num_threads);
+typedef void (*rope_fn)(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
+                        const float *sin_table, int64_t rows, int64_t num_heads, int64_t head_dim, int num_threads);
+typedef int (*attention_fn)(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+                            const int64_t *block_table, int64_t block_table_stride, const int64_t *rows,
+                            const int64_t *context_lens, void *out, int64_t out_token_stride, int64_t num_reqs,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                            int64_t max_context_len, int dtype, int num_threads);
+
+#define MAX_RUNS 4
+#define DTYPE_F32 0
+
+/* One linear layer: runs of output columns, each packed in one format. Mirrors ctypes in layer_stack.py. */
+typedef struct {
+    int64_t num_runs, in_features;
+    int64_t formats[MAX_RUNS], out_features[MAX_RUNS];
+    const uint8_t *packed[MAX_RUNS];
+} stack_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    stack_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_slots, num_kv_heads, head_dim] */
+} stack_layer;
+
+typedef struct {
+    linear_fn linear;
+    norm_fn norm;
+    silu_fn silu;
+    rope_fn rope;
+    attention_fn attention;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const float *cos_table, *sin_table; /* [max_position, head_dim] */
+} stack_model;
+
+typedef struct {
+    int64_t num_tokens;
+    const int64_t *positions, *slot_mapping; /* [num_tokens] */
+    const int64_t *block_table;              /* [num_tokens, block_table_stride]: each token's request's table */
+    int64_t block_table_stride;
+    const int64_t *rows, *context_lens;      /* [num_tokens] */
+    int64_t max_context_len;
+} stack_step;
+
+int64_t stack_scratch_floats(int64_t num_tokens, int64_t hidden, int64_t q_size, int64_t kv_size, int64_t inter) {
+    return num_tokens * (hidden + (q_size + 2 * kv_size) + q_size + 2 * inter + inter);
+}
+
+static int linear(const stack_model *m, const stack_linear *l, const float *x, int64_t rows, float *y, int64_t ldy,
+                  int num_threads) {
+    int64_t col = 0;
+    for (int64_t r = 0; r < l->num_runs; r++) {
+        const int status = m->linear((int)l->formats[r], x, l->in_features, rows, l->packed[r], l->out_features[r],
+                                     l->in_features, y + col, ldy, num_threads);
+        if (status != 0) return status;
+        col += l->out_features[r];
+    }
+    return 0;
+}
+
+/* Returns 0, or the first failing kernel's status (10 + attention status, 20 + linear status). */
+int layer_stack_f32(const stack_model *m, const stack_layer *layers, int64_t num_layers, const stack_step *s,
+                    float *hidden, float *residual, int has_residual, float *scratch, int num_threads) {
+    const int64_t t = s->num_tokens, h = m->hidden, hd = m->head_dim;
+    const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
+    const int64_t inter = m->intermediate;
+    float *normed = scratch, *qkv = normed + t * h, *attn = qkv + t * qkv_size, *gate_up = attn + t * q_size;
+    float *act = gate_up + t * 2 * inter;
+    int status;
+    for (int64_t li = 0; li < num_layers; li++) {
+        const stack_layer *l = layers + li;
+        m->norm(hidden, has_residual || li > 0 ? residual : NULL, l->input_norm, residual, normed, t, h, m->eps,
+                num_threads);
+        if ((status = linear(m, &l->qkv, normed, t, qkv, qkv_size, num_threads)) != 0) return 20 + status;
+        m->rope(qkv, qkv_size, s->positions, m->cos_table, m->sin_table, t, m->num_heads + m->num_kv_heads, hd,
+                num_threads);
+        for (int64_t i = 0; i < t; i++) { /* write first, then read: a token attends to itself */
+            const float *row = qkv + i * qkv_size;
+            memcpy(l->k_cache + s->slot_mapping[i] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
+            memcpy(l->v_cache + s->slot_mapping[i] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(float));
+        }
+        status = m->attention(qkv, qkv_size, l->k_cache, l->v_cache, s->block_table, s->block_table_stride, s->rows,
+                              s->context_lens, attn, q_size, t, m->num_heads, m->num_kv_heads, hd, m->block_size,
+                              m->scale, s->max_context_len, DTYPE_F32, num_threads);
+        if (status != 0) return 10 + status;
+        if ((status = linear(m, &l->o, attn, t, hidden, h, num_threads)) != 0) return 20 + status;
+        m->norm(hidden, residual, l->post_norm, residual, normed, t, h, m->eps, num_threads);
+        if ((status = linear(m, &l->gate_up, normed, t, gate_up, 2 * inter, num_threads)) != 0) return 20 + status;
+        m->silu(gate_up, act, t, inter, num_threads);
+        if ((status = linear(m, &l->down, act, t, hidden, h, num_threads)) != 0) return 20 + status;
+    }
+    return 0;
+}
