@@ -82,6 +82,10 @@ class ParallelConfig:
     pp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
+    # CPU: while a single cohort is in flight the stages run one after the other, so each of
+    # its steps runs with every stage's threads (pp_size * num_threads) instead of its own,
+    # as far as other processes leave those cores idle.
+    lend_idle_threads: bool = True
     # Cohorts in flight, disjoint sets of the live requests, each with one step in flight (two
     # with scheduler.async_scheduling); 0 = pp_size (one cohort per stage, as large as
     # possible). pp_size + 1 hides the engine's turnaround without async scheduling, at the

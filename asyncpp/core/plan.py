@@ -54,6 +54,9 @@ class StepPlan:
     # stage lets their KV transfers finish before running it.
     preempted_req_ids: list[str] = field(default_factory=list)
     kv_connector_metadata: KVConnectorMetadata | None = None  # None: no connector
+    # Torch threads every stage runs this step with; 0 = its own `parallel.num_threads`. The
+    # engine lends a lone cohort's steps the idle stages' threads (they run one at a time).
+    num_threads: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,11 @@ Four tasks share one loop and never block it:
   finished ones, so they complete while the engine is otherwise idle;
 * watchdog: sleeps until a stage process exits, then fails every request with
   an engine-dead error.
+A plan whose cohort is the only one in flight carries `num_threads` = every
+stage's threads (CPU, `parallel.lend_idle_threads`), as far as other work on
+the machine leaves cores spare (`SpareCpus`): its steps pass through the stages
+one at a time, so the other stages' cores would idle. A step dispatched alone
+keeps them to its end even if a second cohort starts meanwhile.
 Every CPU-millisecond spent here is taken from the stages when there are as
 many cores as stages, so the per-step path avoids work nobody asked for
 (debug events are built only when debug logging is on).
@@ -47,6 +52,7 @@ from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.errors import InvalidRequestError
 from asyncpp.logging import get_logger, is_debug_enabled
+from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
@@ -68,6 +74,8 @@ from asyncpp.wire.stage_msgs import StageOutput
 MIN_PREFILL_SHARE_TOKENS = 16
 # While only KV transfers are pending, the stages are polled this often (their threads move the bytes).
 POLL_INTERVAL_S = 0.001
+# Lent threads need whole spare cores: a core that others use this much is still lent (noise).
+SPARE_CPU_SLACK = 0.25
 
 
 @dataclass
@@ -99,6 +107,14 @@ class EngineServer:
         self.async_scheduling = async_scheduling
         self.grace_period_s = grace_period_s
         self.compute_plan = compute_plan  # what the stages compute with, for stats
+        parallel = core.config.parallel
+        self.num_threads = parallel.num_threads  # each stage's own
+        is_cpu = all(device == "cpu" for device in core.config.stage_devices)
+        is_lending = parallel.lend_idle_threads and is_cpu and self.pp_size > 1
+        # A lone cohort's threads, at most: every stage's. 0 = no lending.
+        self.max_lent_threads = parallel.num_threads * self.pp_size if is_lending else 0
+        pids = [os.getpid(), *(p.pid for p in stages.procs)]
+        self.spare_cpus: SpareCpus | None = SpareCpus(pids) if is_lending else None
         self.in_flight: dict[int, _InFlightStep] = {}
         # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
         self.cohorts: list[list[int]] = []
@@ -116,6 +132,7 @@ class EngineServer:
         self.exit_code = 0
         self.started_at = time.monotonic()
         self.num_steps = 0
+        self.num_lent_steps = 0  # dispatched with lent threads
         self.stage_busy_s = [0.0] * self.pp_size
         self.handoff_us: list[collections.deque] = [collections.deque(maxlen=10000) for _ in range(self.pp_size)]
 
@@ -270,6 +287,9 @@ class EngineServer:
         """
         async with self._dispatch_lock:
             while not self.is_dead and (plan := self._schedule_next() or self._schedule_poll()) is not None:
+                if self.max_lent_threads and len(self.cohorts) == 1 and (n := self._lent_threads()):
+                    plan = dataclasses.replace(plan, num_threads=n)
+                    self.num_lent_steps += 1
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
                 await self.stages.broadcast(plan)
@@ -280,6 +300,7 @@ class EngineServer:
                         num_reqs=plan.num_reqs,
                         num_tokens=plan.num_tokens,
                         after_step_id=plan.after_step_id,
+                        num_threads=plan.num_threads,
                     )
 
     def _schedule_next(self) -> StepPlan | None:
@@ -311,6 +332,12 @@ class EngineServer:
                     cohort.append(plan.step_id)
                     return plan
         return None
+
+    def _lent_threads(self) -> int:
+        """Threads for a plan whose cohort is alone in flight: every stage's, on spare cores; 0 = its own."""
+        num_spare = self.spare_cpus.refresh(time.monotonic())
+        num_threads = min(self.max_lent_threads, math.floor(num_spare + SPARE_CPU_SLACK))
+        return num_threads if num_threads > self.num_threads else 0
 
     def _schedule_poll(self) -> StepPlan | None:
         """A plan with no requests, when nothing is in flight but KV transfers are pending.
@@ -435,6 +462,8 @@ class EngineServer:
             **dataclasses.asdict(self.core.scheduler.stats()),
             "num_steps": self.num_steps,
             "num_in_flight_steps": len(self.in_flight),
+            "num_lent_steps": self.num_lent_steps,
+            "num_spare_cpus": self.spare_cpus.num_spare if self.spare_cpus is not None else None,
             "num_kv_blocks": bm.num_blocks,
             "num_free_kv_blocks": bm.num_free_blocks,
             "uptime_s": time.monotonic() - self.started_at,

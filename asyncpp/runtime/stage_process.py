@@ -13,6 +13,10 @@ the tokens each step sampled (`SampledTokens`), and the first stage, before
 running a plan with placeholders, waits for those of `plan.after_step_id`:
 the next step of a cohort starts one hop after the last stage samples,
 without a round trip through the engine.
+
+A plan with `num_threads` > 0 runs with that many torch threads (the engine
+lends a lone cohort the idle stages' cores); the next plan with 0 gets the
+stage's own `num_threads` back. `torch.set_num_threads` is called only on a change.
 """
 
 from __future__ import annotations
@@ -121,6 +125,21 @@ def _die_with_launcher() -> None:
         os._exit(1)
 
 
+class StepThreads:
+    """torch's thread count per step: the plan's lent count, else the stage's own."""
+
+    def __init__(self, num_threads: int, set_num_threads=torch.set_num_threads) -> None:
+        self.num_threads = num_threads  # the stage's own (`parallel.num_threads`)
+        self.current = num_threads  # `stage_main` sets it before any step
+        self._set_num_threads = set_num_threads
+
+    def apply(self, plan_num_threads: int) -> None:
+        wanted = plan_num_threads or self.num_threads
+        if wanted != self.current:  # not free: torch reconfigures its pools
+            self._set_num_threads(wanted)
+            self.current = wanted
+
+
 class Stage:
     def __init__(self, args: StageArgs, log) -> None:
         self.args = args
@@ -134,6 +153,7 @@ class Stage:
         self.tokens_in = PullQueue(args.addresses.sampled_tokens, bind=True) if passes_tokens and args.is_first else None
         self.tokens_out = PushQueue(args.addresses.sampled_tokens) if passes_tokens and args.is_last else None
         self.last_tokens_step_id = -1  # first stage: the latest step whose sampled tokens are in
+        self.threads = StepThreads(args.num_threads)
         self.receiver = None
         self.sender = None
         self.runner: ModelRunner | None = None
@@ -220,6 +240,7 @@ class Stage:
         is_handed_off = is_connector_done = False
         read_slot = None  # the ring slot this step reads, released once its forward is enqueued
         try:
+            self.threads.apply(plan.num_threads)
             intermediate = None
             if self.acts_in is not None and moves_activations:
                 notice = self.acts_in.get()
@@ -271,6 +292,7 @@ class Stage:
                 end_us=int(t1 * 1e6),
                 busy_ms=round((t1 - t0) * 1e3, 3),
                 handoff_us=round(handoff_us, 1),
+                num_threads=self.threads.current,
             )
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
