@@ -8,12 +8,13 @@ activation ring takes the plan's resolved values, never the config's
 "auto". A bad combination is a `ConfigError` naming the key:
 
 - `cpu_isa`: "auto" is the CPU's best level; a level it lacks is an error;
-- `dtype = "auto"`: bfloat16 on CUDA; float32 with `weight_format = "native"`
-  (its kernels compute in float32); on CPU bfloat16 where the level has
+- `dtype = "auto"`: bfloat16 on CUDA; on CPU bfloat16 where the level has
   native bfloat16 dot products (avx512_bf16 and up), else float32 (bfloat16
-  matmuls would run on a slow conversion path). An explicit dtype is kept,
-  even a slow one;
-- `weight_format = "native"` needs float32 and a CPU (no CUDA kernel).
+  matmuls would run on a slow conversion path), with either weight format.
+  An explicit dtype is kept, even a slow one;
+- `weight_format = "native"` needs a CPU (no CUDA kernel) and float32, or
+  bfloat16 at a level with AVX512-BF16 (its kernel expands the blocks into
+  bfloat16 dot products).
 """
 
 from __future__ import annotations
@@ -87,24 +88,27 @@ def _check_weight_format(model: ModelConfig, on_cuda: bool) -> None:
         raise ConfigError(
             'model.weight_format = "native" has no CUDA kernel: use weight_format = "float" on CUDA stages'
         )
-    if model.dtype not in ("auto", "float32"):
+    if model.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(
-            f'model.weight_format = "native" computes in float32 but model.dtype is {model.dtype!r}: '
-            'set model.dtype = "float32" (or "auto"), or model.weight_format = "float"'
+            f'model.weight_format = "native" computes in float32 or bfloat16 but model.dtype is {model.dtype!r}: '
+            'set model.dtype = "auto", "float32" or "bfloat16", or model.weight_format = "float"'
         )
 
 
 def _choose_dtype(model: ModelConfig, isa: str, info: kernel_isa.CpuInfo, on_cuda: bool) -> tuple[str, str]:
     """(dtype, reason) for `model.dtype` at `isa`."""
     native_bf16 = _NATIVE_BF16.get(isa, isa) if kernel_isa.at_least(isa, "avx512_bf16") else None
+    if model.weight_format == "native" and model.dtype == "bfloat16" and native_bf16 is None:
+        raise ConfigError(
+            f'model.weight_format = "native" with model.dtype = "bfloat16" needs AVX512-BF16, but model.cpu_isa '
+            f'resolves to {isa!r}: use model.dtype = "auto" or "float32"'
+        )
     if model.dtype != "auto":
         if model.dtype == "bfloat16" and not on_cuda and native_bf16 is None:
             return "bfloat16", f"bfloat16: set by model.dtype, though {_no_bf16(isa, info)} (bf16 matmul runs slowly)"
         return model.dtype, f"{model.dtype}: set by model.dtype"
     if on_cuda:
         return "bfloat16", "bfloat16: CUDA computes it natively"
-    if model.weight_format == "native":
-        return "float32", "float32: weight_format = native computes in float32"
     if native_bf16 is not None:
         return "bfloat16", f"bfloat16: the CPU computes it natively ({native_bf16})"
     return "float32", f"float32: {_no_bf16(isa, info)}; bf16 matmul would run on a slow path"

@@ -1,4 +1,4 @@
-/* A stage's decoder layers in one call: the float32 CPU path of `LlamaModel.forward`.
+/* A stage's decoder layers in one call: the CPU path of `LlamaModel.forward` over native linears.
  *
  * A decode step of a small batch spends as long in Python between kernels
  * (module calls, tensor allocations, ctypes) as in the kernels themselves:
@@ -14,19 +14,21 @@
  *   normed, residual = add_rms_norm(hidden, residual)
  *   hidden = down_proj(silu(gate) * up), [gate, up] = gate_up_proj(normed)
  *
+ * Activations are float32 (qlinear, the *_f32 ops) or bfloat16 (linear_bf16_q, the *_bf16
+ * ops): `elem_bytes` and `dtype` say which; every pointer below is to that element type.
  * `hidden` and `residual` [num_tokens, hidden] are read and overwritten;
- * `scratch` holds the intermediate rows (stack_scratch_floats).
+ * `scratch` holds the intermediate rows (stack_scratch_elems elements).
  */
 
 #include <stdint.h>
 #include <string.h>
 
-typedef int (*linear_fn)(int fmt, const float *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
-                         int64_t k, float *y, int64_t ldy, int num_threads);
-typedef void (*norm_fn)(const float *x, const float *residual, const float *weight, float *residual_out, float *out,
+typedef int (*linear_fn)(int fmt, const void *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
+                         int64_t k, void *y, int64_t ldy, int num_threads);
+typedef void (*norm_fn)(const void *x, const void *residual, const void *weight, void *residual_out, void *out,
                         int64_t rows, int64_t dim, float eps, int num_threads);
-typedef void (*silu_fn)(const float *gate_up, float *out, int64_t rows, int64_t dim, int num_threads);
-typedef void (*rope_fn)(float *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
+typedef void (*silu_fn)(const void *gate_up, void *out, int64_t rows, int64_t dim, int num_threads);
+typedef void (*rope_fn)(void *x, int64_t row_stride, const int64_t *positions, const float *cos_table,
                         const float *sin_table, int64_t rows, int64_t num_heads, int64_t head_dim, int num_threads);
 typedef int (*attention_fn)(const void *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
                             const int64_t *block_table, int64_t block_table_stride, const int64_t *rows,
@@ -35,7 +37,6 @@ typedef int (*attention_fn)(const void *q, int64_t q_token_stride, const void *k
                             int64_t max_context_len, int dtype, int num_threads);
 
 #define MAX_RUNS 4
-#define DTYPE_F32 0
 
 /* One linear layer: runs of output columns, each packed in one format. Mirrors ctypes in layer_stack.py. */
 typedef struct {
@@ -45,9 +46,9 @@ typedef struct {
 } stack_linear;
 
 typedef struct {
-    const float *input_norm, *post_norm;
+    const void *input_norm, *post_norm;
     stack_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_slots, num_kv_heads, head_dim] */
+    char *k_cache, *v_cache; /* [num_slots, num_kv_heads, head_dim] */
 } stack_layer;
 
 typedef struct {
@@ -57,6 +58,7 @@ typedef struct {
     rope_fn rope;
     attention_fn attention;
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    int64_t elem_bytes, dtype; /* 4 and 0 (float32) or 2 and 1 (bfloat16, the attention kernel's code) */
     float eps, scale;
     const float *cos_table, *sin_table; /* [max_position, head_dim] */
 } stack_model;
@@ -70,16 +72,16 @@ typedef struct {
     int64_t max_context_len;
 } stack_step;
 
-int64_t stack_scratch_floats(int64_t num_tokens, int64_t hidden, int64_t q_size, int64_t kv_size, int64_t inter) {
+int64_t stack_scratch_elems(int64_t num_tokens, int64_t hidden, int64_t q_size, int64_t kv_size, int64_t inter) {
     return num_tokens * (hidden + (q_size + 2 * kv_size) + q_size + 2 * inter + inter);
 }
 
-static int linear(const stack_model *m, const stack_linear *l, const float *x, int64_t rows, float *y, int64_t ldy,
+static int linear(const stack_model *m, const stack_linear *l, const char *x, int64_t rows, char *y, int64_t ldy,
                   int num_threads) {
     int64_t col = 0;
     for (int64_t r = 0; r < l->num_runs; r++) {
         const int status = m->linear((int)l->formats[r], x, l->in_features, rows, l->packed[r], l->out_features[r],
-                                     l->in_features, y + col, ldy, num_threads);
+                                     l->in_features, y + col * m->elem_bytes, ldy, num_threads);
         if (status != 0) return status;
         col += l->out_features[r];
     }
@@ -87,13 +89,13 @@ static int linear(const stack_model *m, const stack_linear *l, const float *x, i
 }
 
 /* Returns 0, or the first failing kernel's status (10 + attention status, 20 + linear status). */
-int layer_stack_f32(const stack_model *m, const stack_layer *layers, int64_t num_layers, const stack_step *s,
-                    float *hidden, float *residual, int has_residual, float *scratch, int num_threads) {
-    const int64_t t = s->num_tokens, h = m->hidden, hd = m->head_dim;
+int layer_stack(const stack_model *m, const stack_layer *layers, int64_t num_layers, const stack_step *s,
+                char *hidden, char *residual, int has_residual, char *scratch, int num_threads) {
+    const int64_t t = s->num_tokens, h = m->hidden, hd = m->head_dim, e = m->elem_bytes;
     const int64_t q_size = m->num_heads * hd, kv_size = m->num_kv_heads * hd, qkv_size = q_size + 2 * kv_size;
     const int64_t inter = m->intermediate;
-    float *normed = scratch, *qkv = normed + t * h, *attn = qkv + t * qkv_size, *gate_up = attn + t * q_size;
-    float *act = gate_up + t * 2 * inter;
+    char *normed = scratch, *qkv = normed + t * h * e, *attn = qkv + t * qkv_size * e;
+    char *gate_up = attn + t * q_size * e, *act = gate_up + t * 2 * inter * e;
     int status;
     for (int64_t li = 0; li < num_layers; li++) {
         const stack_layer *l = layers + li;
@@ -103,13 +105,13 @@ int layer_stack_f32(const stack_model *m, const stack_layer *layers, int64_t num
         m->rope(qkv, qkv_size, s->positions, m->cos_table, m->sin_table, t, m->num_heads + m->num_kv_heads, hd,
                 num_threads);
         for (int64_t i = 0; i < t; i++) { /* write first, then read: a token attends to itself */
-            const float *row = qkv + i * qkv_size;
-            memcpy(l->k_cache + s->slot_mapping[i] * kv_size, row + q_size, (size_t)kv_size * sizeof(float));
-            memcpy(l->v_cache + s->slot_mapping[i] * kv_size, row + q_size + kv_size, (size_t)kv_size * sizeof(float));
+            const char *row = qkv + i * qkv_size * e;
+            memcpy(l->k_cache + s->slot_mapping[i] * kv_size * e, row + q_size * e, (size_t)(kv_size * e));
+            memcpy(l->v_cache + s->slot_mapping[i] * kv_size * e, row + (q_size + kv_size) * e, (size_t)(kv_size * e));
         }
         status = m->attention(qkv, qkv_size, l->k_cache, l->v_cache, s->block_table, s->block_table_stride, s->rows,
                               s->context_lens, attn, q_size, t, m->num_heads, m->num_kv_heads, hd, m->block_size,
-                              m->scale, s->max_context_len, DTYPE_F32, num_threads);
+                              m->scale, s->max_context_len, (int)m->dtype, num_threads);
         if (status != 0) return 10 + status;
         if ((status = linear(m, &l->o, attn, t, hidden, h, num_threads)) != 0) return 20 + status;
         m->norm(hidden, residual, l->post_norm, residual, normed, t, h, m->eps, num_threads);

@@ -1,9 +1,10 @@
-"""A model slice's decoder layers in one C call (`layer_stack.c`): the float32 CPU fast path.
+"""A model slice's decoder layers in one C call (`layer_stack.c`): the CPU fast path of native weights.
 
-`LayerStack.build(model, isa)` returns a stack for a float32 CPU `LlamaModel`
-whose linears are all `NativeLinear` and whose elementwise ops are fused, or
-None when some part is missing (another dtype or device, no C compiler, a
-layer with more than `MAX_RUNS` weight formats). The stack calls the very
+`LayerStack.build(model, isa)` returns a stack for a CPU `LlamaModel` whose
+linears are all `NativeLinear` (float32 over `qlinear`, or bfloat16 over GGUF
+blocks through `linear_bf16_q`) and whose elementwise ops are fused, or None
+when some part is missing (another device, no C compiler, a layer with more
+than `MAX_RUNS` weight formats, bfloat16 over float-format weights). The stack calls the very
 kernels the modules call, in the same order, so its output is bit-identical to
 the module-by-module forward (tested); what it saves is the Python between
 them, about 0.1 ms per layer, which on a one-request decode step is a quarter
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
+from asyncpp.kernels.linear_bf16 import BLOCK_FORMAT_CODES
 from asyncpp.kernels.qlinear import FORMATS
 
 if TYPE_CHECKING:  # the model imports this module; only type names go the other way
@@ -28,6 +30,9 @@ if TYPE_CHECKING:  # the model imports this module; only type names go the other
     from asyncpp.model.llama import LlamaModel
 
 MAX_RUNS = 4
+# Activation dtype -> (library, function) of the linears: the same signature, (fmt, x, ldx, m, packed, n, k, y, ldy,
+# threads) -> status, and the same format codes.
+_LINEARS = {torch.float32: ("qlinear", "qlinear"), torch.bfloat16: ("linear_bf16", "linear_bf16_q")}
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 
 
@@ -67,6 +72,8 @@ class _Model(ctypes.Structure):
         ("head_dim", _I64),
         ("intermediate", _I64),
         ("block_size", _I64),
+        ("elem_bytes", _I64),
+        ("dtype", _I64),
         ("eps", _F32),
         ("scale", _F32),
         ("cos_table", _PTR),
@@ -101,32 +108,39 @@ class LayerStack:
         self._layers: ctypes.Array | None = None
         self._layers_for: tuple[int, ...] = ()
         arch = model.arch
-        self._scratch_per_token = lib.stack_scratch_floats(1, arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size)
+        self.dtype = model.fused.dtype
+        self._scratch_per_token = lib.stack_scratch_elems(1, arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size)
 
     @staticmethod
     def build(model: "LlamaModel", isa: str) -> "LayerStack | None":
         from asyncpp.model.native_linear import NativeLinear  # the model imports this module
 
         fused = model.fused
-        if fused is None or fused.dtype != torch.float32 or model.rope.cos.device.type != "cpu":
+        if fused is None or fused.dtype not in _LINEARS or model.rope.cos.device.type != "cpu":
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not linears or not all(isinstance(m, NativeLinear) and len(m.runs) <= MAX_RUNS for m in linears):
             return None
-        libs = {name: load_kernel_library(name, isa) for name in ("layer_stack", "qlinear", "fused_ops", "decode_attention")}
+        if fused.dtype == torch.bfloat16 and any(fmt not in BLOCK_FORMAT_CODES for m in linears for fmt, _, _ in m.runs):
+            return None  # linear_bf16_q serves GGUF blocks only
+        linear_lib, linear_name = _LINEARS[fused.dtype]
+        # linear_bf16 is built for avx512_bf16 whatever the level (only that level has its kernel).
+        libs = {name: load_kernel_library(name, "avx512_bf16" if name == "linear_bf16" else isa)
+                for name in ("layer_stack", linear_lib, "fused_ops", "decode_attention")}  # fmt: skip
         if any(lib is None for lib in libs.values()):
             return None
         lib = libs["layer_stack"]
-        lib.stack_scratch_floats.argtypes, lib.stack_scratch_floats.restype = [_I64] * 5, _I64
-        lib.layer_stack_f32.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _INT]
-        lib.layer_stack_f32.restype = _INT
+        lib.stack_scratch_elems.argtypes, lib.stack_scratch_elems.restype = [_I64] * 5, _I64
+        lib.layer_stack.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _INT]
+        lib.layer_stack.restype = _INT
         arch = model.arch
         attn = model.layers[0].self_attn
+        suffix = "f32" if fused.dtype == torch.float32 else "bf16"
         model_struct = _Model(
-            linear=_fn(libs["qlinear"], "qlinear"),
-            norm=_fn(libs["fused_ops"], "add_rms_norm_f32"),
-            silu=_fn(libs["fused_ops"], "silu_mul_f32"),
-            rope=_fn(libs["fused_ops"], "rope_f32"),
+            linear=_fn(libs[linear_lib], linear_name),
+            norm=_fn(libs["fused_ops"], f"add_rms_norm_{suffix}"),
+            silu=_fn(libs["fused_ops"], f"silu_mul_{suffix}"),
+            rope=_fn(libs["fused_ops"], f"rope_{suffix}"),
             attention=_fn(libs["decode_attention"], "decode_attention"),
             hidden=arch.hidden_size,
             num_heads=arch.num_heads,
@@ -134,6 +148,8 @@ class LayerStack:
             head_dim=arch.head_dim,
             intermediate=arch.intermediate_size,
             block_size=0,
+            elem_bytes=fused.dtype.itemsize,
+            dtype=VEC_DTYPE_CODES[fused.dtype],
             eps=model.layers[0].input_layernorm.eps,
             scale=attn.scale,
             cos_table=model.rope.cos.data_ptr(),
@@ -146,8 +162,8 @@ class LayerStack:
         if self._layers is None or key != self._layers_for:
             table = (_Layer * len(kv_caches))()
             for entry, layer, (k_cache, v_cache) in zip(table, self._model.layers, kv_caches, strict=True):
-                if k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-                    raise ValueError("the layer stack needs contiguous float32 KV caches")
+                if k_cache.dtype != self.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                    raise ValueError(f"the layer stack needs contiguous {self.dtype} KV caches")
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
                 entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
                 for field, module in (
@@ -166,8 +182,8 @@ class LayerStack:
 
     def forward(
         self,
-        hidden: torch.Tensor,  # [num_tokens, hidden] float32, overwritten
-        residual: torch.Tensor | None,  # [num_tokens, hidden] float32, overwritten; None: first layer of the model
+        hidden: torch.Tensor,  # [num_tokens, hidden] in the stack's dtype
+        residual: torch.Tensor | None,  # [num_tokens, hidden]; None: first layer of the model
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: "AttentionMetadata",
@@ -177,9 +193,9 @@ class LayerStack:
             raise ValueError("the layer stack needs the decode attention kernel's metadata")
         num_tokens = hidden.shape[0]
         # Fresh copies: the inputs may be a ring slot or a tensor the caller keeps (a few us).
-        hidden = hidden.to(torch.float32, copy=True).contiguous()
+        hidden = hidden.to(self.dtype, copy=True).contiguous()
         has_residual = residual is not None
-        residual = residual.to(torch.float32, copy=True).contiguous() if has_residual else torch.empty_like(hidden)
+        residual = residual.to(self.dtype, copy=True).contiguous() if has_residual else torch.empty_like(hidden)
         self._model_struct.block_size = meta.block_size
         positions = positions.contiguous()
         step = _Step(
@@ -192,8 +208,8 @@ class LayerStack:
             context_lens=kd.context_lens.data_ptr(),
             max_context_len=kd.max_context_len,
         )
-        scratch = torch.empty(num_tokens * self._scratch_per_token, dtype=torch.float32)
-        status = self._lib.layer_stack_f32(
+        scratch = torch.empty(num_tokens * self._scratch_per_token, dtype=self.dtype)
+        status = self._lib.layer_stack(
             ctypes.byref(self._model_struct), self._layer_table(kv_caches), len(kv_caches), ctypes.byref(step),
             hidden.data_ptr(), residual.data_ptr(), int(has_residual), scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -20,6 +20,7 @@
  */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -119,5 +120,256 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
     }
 #else
     (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)ldy, (void)num_threads;
+#endif
+}
+
+/* ---- GGUF blocks (Q8_0, Q4_0, Q4_1) expanded to bfloat16 in the kernel ----
+ *
+ * The same products as above on the weight `round_bf16(dequantize(blocks))`, the weight the
+ * float path would pack (GGUF's float32 dequantization d * q (+ m), rounded to nearest even),
+ * so the two give the same bits; the blocks stay in memory, 3.2x (Q4_1) smaller than bf16.
+ * Layout: per BLOCK of 64 columns, per 32-input block b, per panel: [d: 16 x fp16][m: 16 x
+ * fp16, Q4_1][values], the values in pairs of inputs (2p, 2p + 1) as dpbf16 takes them: Q4 as
+ * 16 rows of 16 bytes (low nibble input 2p, high nibble 2p + 1), Q8_0 as 16 rows of 16 int8
+ * for the even inputs, then 16 rows for the odd ones. One or a few rows expand each pair in
+ * registers; more rows expand a block of columns once into the layout above (an L2 scratch)
+ * and run the same tiles on it. */
+
+enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
+#define QK 32
+#define QB_GEMV_ROWS 4 /* up to this many rows expand the weights in registers */
+
+static int64_t qb_panel_block_bytes(int fmt) {
+    switch (fmt) {
+        case QB_Q8_0: return PANEL * 2 + QK * PANEL;
+        case QB_Q4_0: return PANEL * 2 + QK / 2 * PANEL;
+        case QB_Q4_1: return PANEL * 4 + QK / 2 * PANEL;
+    }
+    return 0;
+}
+
+int linear_bf16_q_check(int fmt, int64_t k) { return qb_panel_block_bytes(fmt) > 0 && k > 0 && k % QK == 0 ? 0 : 1; }
+
+int64_t linear_bf16_q_packed_nbytes(int fmt, int64_t n, int64_t k) {
+    return (n + BLOCK - 1) / BLOCK * NB * (k / QK) * qb_panel_block_bytes(fmt);
+}
+
+/* One GGUF block of row r (at `s`) -> its lane of a panel block (`blk`). */
+static void qb_pack_block(int fmt, const uint8_t *s, uint8_t *blk, int64_t lane) {
+    memcpy(blk + lane * 2, s, 2); /* d */
+    if (fmt == QB_Q8_0) {
+        for (int j = 0; j < QK; j++) blk[PANEL * 2 + ((j % 2) * QK / 2 + j / 2) * PANEL + lane] = s[2 + j];
+        return;
+    }
+    const int hdr = fmt == QB_Q4_1 ? 4 : 2;
+    if (fmt == QB_Q4_1) memcpy(blk + PANEL * 2 + lane * 2, s + 2, 2); /* m */
+    uint8_t q[QK];
+    for (int j = 0; j < QK / 2; j++) q[j] = s[hdr + j] & 15, q[j + QK / 2] = s[hdr + j] >> 4; /* GGUF: j, j + 16 */
+    for (int p = 0; p < QK / 2; p++) blk[PANEL * hdr + p * PANEL + lane] = (uint8_t)(q[2 * p] | q[2 * p + 1] << 4);
+}
+
+/* GGUF rows `src` ([n] rows of k / 32 blocks) -> `dst` (linear_bf16_q_packed_nbytes, zeroed here). */
+void linear_bf16_q_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8_t *dst) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), src_block = fmt == QB_Q8_0 ? 34 : fmt == QB_Q4_1 ? 20 : 18;
+    memset(dst, 0, (size_t)linear_bf16_q_packed_nbytes(fmt, n, k));
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t block = r / BLOCK, panel = r % BLOCK / PANEL, lane = r % PANEL;
+            qb_pack_block(fmt, src + (r * nb + b) * src_block, dst + ((block * nb + b) * NB + panel) * pb, lane);
+        }
+}
+
+static float qb_half(uint16_t h) { /* IEEE half -> float32, exactly */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    uint32_t u;
+    if (exp == 0x1F) u = sign | 0x7F800000 | (mant << 13);
+    else if (exp != 0) u = sign | ((exp + 112) << 23) | (mant << 13);
+    else {
+        float f = (float)mant * 5.9604644775390625e-8f;
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The dequantized float32 weight of input j (0..31) of lane `lane` of a panel block (scalar). */
+static float qb_weight(int fmt, const uint8_t *blk, int lane, int j) {
+    uint16_t h;
+    memcpy(&h, blk + lane * 2, 2);
+    const float d = qb_half(h);
+    if (fmt == QB_Q8_0) return d * (float)(int8_t)blk[PANEL * 2 + ((j % 2) * QK / 2 + j / 2) * PANEL + lane];
+    const int hdr = fmt == QB_Q4_1 ? 4 : 2;
+    const uint8_t byte = blk[PANEL * hdr + (j / 2) * PANEL + lane];
+    const float q = (float)(j % 2 ? byte >> 4 : byte & 15);
+    if (fmt == QB_Q4_0) return d * (q - 8.0f);
+    memcpy(&h, blk + PANEL * 2 + lane * 2, 2);
+    return d * q + qb_half(h);
+}
+
+/* out [num_ids, k] float32 = rows `ids` of a weight packed by linear_bf16_q_pack, dequantized (float32). */
+void linear_bf16_q_dequant_rows(int fmt, const uint8_t *packed, int64_t k, const int64_t *ids, int64_t num_ids,
+                                float *out) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt);
+    for (int64_t i = 0; i < num_ids; i++) {
+        const int64_t r = ids[i], block = r / BLOCK, panel = r % BLOCK / PANEL, lane = r % PANEL;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = packed + ((block * nb + b) * NB + panel) * pb;
+            for (int j = 0; j < QK; j++) out[i * k + b * QK + j] = qb_weight(fmt, blk, (int)lane, j);
+        }
+    }
+}
+
+#if HAVE_AVX512_BF16
+
+/* Pair p (inputs 2p, 2p + 1) of a panel block as 16 lanes of bfloat16 pairs, rounded as torch rounds. */
+static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *blk, int p, __m512 d,
+                                                              __m512 m) {
+    __m512 even, odd;
+    if (fmt == QB_Q8_0) {
+        const int8_t *q = (const int8_t *)blk + PANEL * 2;
+        even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + p * PANEL)))), d);
+        odd = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (QK / 2 + p) * PANEL)))), d);
+    } else {
+        const int hdr = fmt == QB_Q4_1 ? 4 : 2;
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + PANEL * hdr + p * PANEL)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        /* d * q is exact in float32, so one fma rounds like GGUF's d * q + m; Q4_0's m is -8 d (exact). */
+        even = _mm512_fmadd_ps(lo, d, m);
+        odd = _mm512_fmadd_ps(hi, d, m);
+    }
+    /* [even 0..15 | odd 0..15] as bf16, then interleaved into (even i, odd i) pairs */
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return (__m512bh)_mm512_permutexvar_epi16(order, both);
+}
+
+static inline __attribute__((always_inline)) void qb_scales(const int fmt, const uint8_t *blk, __m512 *d, __m512 *m) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *m = fmt == QB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)))
+                        : _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f));
+}
+
+/* Rows [0, mt) times one BLOCK of columns, expanding each pair in registers (few rows). */
+static inline __attribute__((always_inline)) void qb_gemv_tile(const int fmt, const int mt, const uint16_t *x,
+                                                               int64_t ldx, const uint8_t *wb, int64_t k, uint16_t *y,
+                                                               int64_t ldy, int64_t n0, int64_t n) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt);
+    __m512 acc[QB_GEMV_ROWS][NB];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blocks = wb + b * NB * pb;
+        __m512 d[NB], m[NB];
+        for (int j = 0; j < NB; j++) qb_scales(fmt, blocks + j * pb, &d[j], &m[j]);
+        if (b + 2 < nb)
+            for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch((const char *)(blocks + 2 * NB * pb + off), _MM_HINT_T0);
+        for (int p = 0; p < QK / 2; p++) {
+            const int64_t kp = b * QK / 2 + p;
+            for (int j = 0; j < NB; j++) {
+                const __m512bh w = qb_pair(fmt, blocks + j * pb, p, d[j], m[j]);
+                for (int i = 0; i < mt; i++) {
+                    uint32_t pair;
+                    memcpy(&pair, x + i * ldx + 2 * kp, sizeof pair);
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_set1_epi32((int)pair), w);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) {
+            const int64_t col = n0 + j * PANEL;
+            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
+            if (col + PANEL <= n) {
+                _mm256_storeu_si256((__m256i *)(y + i * ldy + col), out);
+            } else {
+                uint16_t tail[PANEL];
+                _mm256_storeu_si256((__m256i *)tail, out);
+                memcpy(y + i * ldy + col, tail, (size_t)(n - col) * sizeof tail[0]);
+            }
+        }
+}
+
+#define QB_GEMV_CASE(F, R) \
+    case R: qb_gemv_tile(F, R, x, ldx, wb, k, y, ldy, n0, n); break;
+#define QB_GEMV_FN(F)                                                                                               \
+    static void qb_gemv_##F(int mt, const uint16_t *x, int64_t ldx, const uint8_t *wb, int64_t k, uint16_t *y,     \
+                            int64_t ldy, int64_t n0, int64_t n) {                                                  \
+        switch (mt) { QB_GEMV_CASE(F, 1) QB_GEMV_CASE(F, 2) QB_GEMV_CASE(F, 3) QB_GEMV_CASE(F, 4) }                 \
+    }
+QB_GEMV_FN(QB_Q8_0)
+QB_GEMV_FN(QB_Q4_0)
+QB_GEMV_FN(QB_Q4_1)
+
+/* One BLOCK of columns expanded into linear_bf16_pack's layout ([NB panels][k / 2 pairs][16][2]). */
+static inline __attribute__((always_inline)) void qb_expand(const int fmt, const uint8_t *wb, int64_t k,
+                                                            uint16_t *dst) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), panel_stride = k * PANEL;
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *blk = wb + (b * NB + j) * pb;
+            __m512 d, m;
+            qb_scales(fmt, blk, &d, &m);
+            for (int p = 0; p < QK / 2; p++)
+                _mm512_storeu_si512(dst + j * panel_stride + (b * QK / 2 + p) * 2 * PANEL, (__m512i)qb_pair(fmt, blk, p, d, m));
+        }
+}
+
+static void qb_expand_any(int fmt, const uint8_t *wb, int64_t k, uint16_t *dst) {
+    if (fmt == QB_Q8_0) qb_expand(QB_Q8_0, wb, k, dst);
+    else if (fmt == QB_Q4_0) qb_expand(QB_Q4_0, wb, k, dst);
+    else qb_expand(QB_Q4_1, wb, k, dst);
+}
+
+#endif
+
+/* y [m, n] bf16 = x [m, k] bf16 @ w^T, w packed by linear_bf16_q_pack. Returns 0, -1 without AVX512-BF16,
+ * -2 when scratch memory could not be allocated. */
+int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n, int64_t k,
+                  uint16_t *y, int64_t ldy, int num_threads) {
+#if HAVE_AVX512_BF16
+    const int64_t num_blocks = (n + BLOCK - 1) / BLOCK, block_bytes = NB * (k / QK) * qb_panel_block_bytes(fmt);
+    if (m <= 0) return 0;
+    if (m <= QB_GEMV_ROWS) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const uint8_t *wb = packed + b * block_bytes;
+            if (fmt == QB_Q8_0) qb_gemv_QB_Q8_0((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
+            else if (fmt == QB_Q4_0) qb_gemv_QB_Q4_0((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
+            else qb_gemv_QB_Q4_1((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
+        }
+        return 0;
+    }
+    int status = 0;
+#pragma omp parallel num_threads(num_threads > 1 && num_blocks > 1 ? num_threads : 1)
+    {
+        uint16_t *scratch = aligned_alloc(64, (size_t)(BLOCK * k) * sizeof(uint16_t)); /* one BLOCK, expanded */
+        if (scratch == NULL) {
+#pragma omp atomic write
+            status = -2;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            if (scratch == NULL) continue;
+            qb_expand_any(fmt, packed + b * block_bytes, k, scratch);
+            for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
+                const int64_t rows = m - m0 < MCHUNK ? m - m0 : MCHUNK, num_tiles = (rows + MT - 1) / MT;
+                for (int64_t t = 0; t < num_tiles; t++) {
+                    const int64_t i0 = m0 + t * rows / num_tiles, i1 = m0 + (t + 1) * rows / num_tiles;
+                    any_tile(x + i0 * ldx, ldx, (int)(i1 - i0), scratch, NULL, k, t, num_tiles, y + i0 * ldy, ldy,
+                             b * BLOCK, n);
+                }
+            }
+        }
+        free(scratch);
+    }
+    return status;
+#else
+    (void)fmt, (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)ldy, (void)num_threads;
+    return -1;
 #endif
 }

@@ -22,7 +22,14 @@ _SIGNATURES = {
     "linear_bf16_packed_numel": ([_I64, _I64], _I64),
     "linear_bf16_pack": ([_PTR, _I64, _I64, _PTR], None),
     "linear_bf16": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
+    "linear_bf16_q_check": ([_INT, _I64], _INT),
+    "linear_bf16_q_packed_nbytes": ([_INT, _I64, _I64], _I64),
+    "linear_bf16_q_pack": ([_INT, _PTR, _I64, _I64, _PTR], None),
+    "linear_bf16_q": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
+    "linear_bf16_q_dequant_rows": ([_INT, _PTR, _I64, _PTR, _I64, _PTR], None),
 }
+# GGUF block formats the kernel expands in registers (the codes are qlinear's).
+BLOCK_FORMAT_CODES = {"q8_0": 3, "q4_0": 4, "q4_1": 5}
 
 
 class Bf16Linear:
@@ -41,6 +48,43 @@ class Bf16Linear:
         self._lib.linear_bf16_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 
+    def pack_blocks(self, fmt: str, rows: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """GGUF rows `[out_features, row_bytes]` uint8 of a block format -> the packed uint8 weight."""
+        code = BLOCK_FORMAT_CODES.get(fmt)
+        if code is None or self._lib.linear_bf16_q_check(code, in_features) != 0:
+            raise ValueError(f"linear_bf16 has no kernel for {fmt} weights of {in_features} inputs")
+        rows = rows.detach().contiguous().view(torch.uint8)
+        packed = torch.empty(self._lib.linear_bf16_q_packed_nbytes(code, out_features, in_features), dtype=torch.uint8)
+        self._lib.linear_bf16_q_pack(code, rows.data_ptr(), out_features, in_features, packed.data_ptr())
+        return packed
+
+    def linear_blocks(
+        self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` bfloat16, the same bits as `linear` on the
+        bfloat16-rounded dequantized weight (written into `out`, a column slice maybe, when given)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, in_features = x.shape
+        if out is None:
+            out = x.new_empty(rows, out_features)
+        status = self._lib.linear_bf16_q(
+            BLOCK_FORMAT_CODES[fmt], x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        )  # fmt: skip
+        if status != 0:
+            raise RuntimeError(f"linear_bf16_q failed with status {status}")
+        return out
+
+    def dequant_rows_blocks(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of a block-packed weight, dequantized to float32 as GGUF defines it."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), in_features, dtype=torch.float32)
+        self._lib.linear_bf16_q_dequant_rows(
+            BLOCK_FORMAT_CODES[fmt], packed.data_ptr(), in_features, ids.data_ptr(), ids.numel(), out.data_ptr()
+        )
+        return out
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x` `[rows, in]` bfloat16 with a contiguous last dimension -> `[rows, out_features]`."""
         if x.stride(1) != 1:
@@ -54,12 +98,64 @@ class Bf16Linear:
         return y
 
 
+_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Bf16NativeKernel:
+    """Stored-format weights (`weight_format = "native"`) for bfloat16 activations, with
+    `QLinearKernel`'s interface: GGUF blocks expanded in the kernel (`linear_blocks`), float
+    formats rounded to bfloat16 once and packed as usual. Either way the numbers are those of
+    the float path's bfloat16 weights."""
+
+    dtype = torch.bfloat16
+
+    def __init__(self, kernel: Bf16Linear) -> None:
+        self.kernel = kernel
+
+    def pack(self, fmt: str, rows: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        if fmt in BLOCK_FORMAT_CODES:
+            return self.kernel.pack_blocks(fmt, rows, out_features, in_features)
+        if fmt not in _FLOAT_DTYPES:
+            raise ValueError(f"no bfloat16 kernel for weight format {fmt!r}")
+        weight = rows.contiguous().view(torch.uint8).view(_FLOAT_DTYPES[fmt]).reshape(out_features, in_features)
+        return self.kernel.pack(weight.to(torch.bfloat16))
+
+    def linear(
+        self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"this kernel takes bfloat16 activations, got {x.dtype}")
+        if fmt in BLOCK_FORMAT_CODES:
+            return self.kernel.linear_blocks(fmt, x, packed, out_features, out)
+        y = self.kernel.linear(x, packed, out_features)
+        return y if out is None else out.copy_(y)
+
+    def dequant_rows(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows `ids` (for embeddings): GGUF's dequantization, or the bfloat16 values."""
+        if fmt in BLOCK_FORMAT_CODES:
+            return self.kernel.dequant_rows_blocks(fmt, packed, in_features, ids)
+        kpairs = (in_features + 1) // 2  # linear_bf16_pack: [panels][k / 2 pairs][16 lanes][2]
+        panels = packed.view(-1, kpairs, 16, 2)
+        ids = ids.to(torch.int64)
+        return panels[ids // 16, :, ids % 16, :].reshape(len(ids), -1)[:, :in_features].float()
+
+
 @functools.cache
 def _kernel(isa: str) -> Bf16Linear | None:
     lib = load_kernel_library("linear_bf16", isa)
     if lib is None or not lib.linear_bf16_supported():
         return None
     return Bf16Linear(lib)
+
+
+def bf16_native_kernel(isa: str | None = None) -> Bf16NativeKernel | None:
+    """The kernel for stored-format weights with bfloat16 activations: any level with AVX512-BF16
+    (AMX CPUs have it too), else None."""
+    isa = isa or native_level()
+    if isa not in ("avx512_bf16", "amx"):
+        return None
+    kernel = _kernel("avx512_bf16")
+    return None if kernel is None else Bf16NativeKernel(kernel)
 
 
 def linear_bf16_kernel(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> Bf16Linear | None:

@@ -41,6 +41,8 @@ _SIGNATURES = {
 class QLinearKernel:
     """One ISA level's build of the kernel: packs weights, multiplies, looks rows up."""
 
+    dtype = torch.float32  # of the activations and outputs
+
     def __init__(self, lib: ctypes.CDLL, isa: str) -> None:
         for name, (argtypes, restype) in _SIGNATURES.items():
             fn = getattr(lib, name)

@@ -1,8 +1,11 @@
-"""Linear layers and embeddings over weights in their stored format, computed in float32.
+"""Linear layers and embeddings over weights in their stored format.
 
 `NativeLinear` owns its weight in the source's format (GGUF Q4_1 blocks,
-float16, float32, ...; `asyncpp.weights.base.StoredTensor`) packed for
-`asyncpp.kernels.qlinear`, and multiplies float32 activations with it. A layer
+float16, float32, ...; `asyncpp.weights.base.StoredTensor`) packed for its
+kernel, and multiplies activations of the kernel's dtype with it: float32
+through `asyncpp.kernels.qlinear`, bfloat16 (on CPUs with AVX512-BF16)
+through `asyncpp.kernels.linear_bf16`'s block variant, whose numbers are the
+float path's bfloat16 weights'. A layer
 made of several source tensors (q/k/v, gate/up) keeps one packed weight per
 run of parts of the same format and writes each run's outputs into its columns
 of one output tensor, so a file that stores v in Q8_0 and q/k in Q4_1 still
@@ -17,17 +20,32 @@ once (the tied embedding/head is the same `StoredTensor` object).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
-from asyncpp.kernels.qlinear import QLinearKernel
 from asyncpp.weights.base import StoredTensor
 
 
-class NativeLinear(nn.Module):
-    """A bias-free linear layer: float32 `[..., in]` -> float32 `[..., out]`."""
+class NativeKernel(Protocol):
+    """What a native module needs of its kernel (`QLinearKernel`, `Bf16NativeKernel`)."""
 
-    def __init__(self, runs: list[tuple[str, torch.Tensor, int]], in_features: int, kernel: QLinearKernel) -> None:
+    dtype: torch.dtype  # of activations and outputs
+
+    def pack(self, fmt: str, rows: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor: ...
+
+    def linear(
+        self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+    def dequant_rows(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class NativeLinear(nn.Module):
+    """A bias-free linear layer: `[..., in]` -> `[..., out]` in the kernel's dtype."""
+
+    def __init__(self, runs: list[tuple[str, torch.Tensor, int]], in_features: int, kernel: NativeKernel) -> None:
         """`runs`: (format, packed weight, out_features) per run of output columns, in order."""
         super().__init__()
         self.runs = runs
@@ -57,9 +75,9 @@ class NativeLinear(nn.Module):
 
 
 class NativeEmbedding(nn.Module):
-    """Token ids `[num_tokens]` -> float32 rows `[num_tokens, hidden]` of a packed weight."""
+    """Token ids `[num_tokens]` -> rows `[num_tokens, hidden]` of a packed weight, in the kernel's dtype."""
 
-    def __init__(self, fmt: str, packed: torch.Tensor, vocab_size: int, hidden_size: int, kernel: QLinearKernel) -> None:
+    def __init__(self, fmt: str, packed: torch.Tensor, vocab_size: int, hidden_size: int, kernel: NativeKernel) -> None:
         super().__init__()
         self.fmt, self.packed, self.kernel = fmt, packed, kernel
         self.num_embeddings, self.embedding_dim = vocab_size, hidden_size
@@ -70,9 +88,8 @@ class NativeEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-        return self.kernel.dequant_rows(self.fmt, self.packed, self.embedding_dim, ids.reshape(-1)).view(
-            *ids.shape, self.embedding_dim
-        )
+        rows = self.kernel.dequant_rows(self.fmt, self.packed, self.embedding_dim, ids.reshape(-1))
+        return rows.to(self.kernel.dtype).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, weights={self.fmt}"
@@ -81,7 +98,7 @@ class NativeEmbedding(nn.Module):
 class NativeWeights:
     """Builds the native modules of one model slice; each source tensor is packed once."""
 
-    def __init__(self, kernel: QLinearKernel) -> None:
+    def __init__(self, kernel: NativeKernel) -> None:
         self.kernel = kernel
         self._packed: dict[int, torch.Tensor] = {}  # id(StoredTensor) -> packed, for tied weights
 

@@ -14,7 +14,7 @@ from asyncpp.config import EngineConfig
 from asyncpp.device import is_cuda
 from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kernels.fused_ops import fused_ops
-from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
+from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
@@ -48,16 +48,23 @@ def build_model_slice(
     `isa`: the level CPU kernels are built for (None: the CPU's best).
     `weight_format`: "float" dequantizes to `dtype` at load; "native" keeps the
     file's format (GGUF blocks, float16, ...) and computes in float32 through
-    `asyncpp.kernels.qlinear` (`dtype` must be float32)."""
+    `asyncpp.kernels.qlinear`, or in bfloat16 (AVX512-BF16) through
+    `linear_bf16`'s block variant, with the float path's bfloat16 numbers."""
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
     native = weight_format == "native"
     if weight_format not in ("float", "native"):
         raise ValueError(f"model.weight_format must be 'float' or 'native', got {weight_format!r}")
-    if native and (dtype != torch.float32 or torch.device(device).type != "cpu"):
-        raise ValueError(f"model.weight_format = 'native' computes in float32 on CPU, not {dtype} on {device}")
-    on_cpu_f32 = torch.device(device).type == "cpu" and dtype == torch.float32
-    qlinear = qlinear_kernel(isa) if on_cpu_f32 and (native or linear_kernel == "auto") else None
+    on_cpu = torch.device(device).type == "cpu"
+    if native and not (on_cpu and dtype in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"model.weight_format = 'native' computes in float32 or bfloat16 on CPU, not {dtype} on {device}")
+    qlinear = None  # the kernel of the stored-format linears, when there are any
+    if on_cpu and dtype == torch.float32 and (native or linear_kernel == "auto"):
+        qlinear = qlinear_kernel(isa)
+    elif native and dtype == torch.bfloat16:
+        qlinear = bf16_native_kernel(isa)
+        if qlinear is None:
+            raise ValueError(f"model.weight_format = 'native' in bfloat16 needs AVX512-BF16 (cpu_isa {isa})")
     if native and qlinear is None:
         raise RuntimeError("model.weight_format = 'native' needs the qlinear C kernel, which could not be built")
     tensors = load_weights(
@@ -92,7 +99,7 @@ def build_model_slice(
         weight_format=weight_format,
         isa=isa,
         num_packed_linears=num_packed,
-        linear_backend=_linear_backend(qlinear is not None, bf16_kernel is not None, num_packed),
+        linear_backend=_linear_backend(qlinear, bf16_kernel is not None, num_packed),
         weight_mb=round(model.weight_nbytes() / 2**20, 1),
         fused_ops=model.fused is not None,
         layer_stack=model.stack is not None,
@@ -101,9 +108,9 @@ def build_model_slice(
     return model
 
 
-def _linear_backend(qlinear: bool, bf16_kernel: bool, num_packed: int) -> str:
-    if qlinear:
-        return "qlinear"
+def _linear_backend(stored_kernel, bf16_kernel: bool, num_packed: int) -> str:
+    if stored_kernel is not None:
+        return "qlinear" if stored_kernel.dtype == torch.float32 else "linear_bf16_blocks"
     return "linear_bf16" if bf16_kernel else "onednn" if num_packed else "torch"
 
 

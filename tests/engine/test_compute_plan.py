@@ -66,15 +66,18 @@ def test_a_level_the_cpu_lacks_names_the_key(info, level):
         plan_for(info, cpu_isa=level)
 
 
-def test_native_weights_compute_in_float32_on_cpu_only():
+def test_native_weights_compute_in_bfloat16_where_native_else_float32():
     plan = plan_for(ZEN4, weight_format="native")
-    assert (plan.dtype, plan.weight_format) == ("float32", "native")
-    assert plan.reason == "float32: weight_format = native computes in float32"
+    assert (plan.dtype, plan.weight_format) == ("bfloat16", "native")
+    assert plan_for(AVX2_ONLY, weight_format="native").dtype == "float32"
+    assert plan_for(ZEN4, weight_format="native", cpu_isa="avx2").dtype == "float32"
     assert plan_for(ZEN4, weight_format="native", dtype="float32").dtype == "float32"
-    for dtype in ("bfloat16", "float16"):
-        with pytest.raises(ConfigError, match=r"model.weight_format = \"native\".*model.dtype is") as info:
-            plan_for(ZEN4, weight_format="native", dtype=dtype)
-        assert "model.dtype" in str(info.value) and "model.weight_format" in str(info.value)
+    assert plan_for(ZEN4, weight_format="native", dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"model.weight_format = \"native\".*model.dtype is") as info:
+        plan_for(ZEN4, weight_format="native", dtype="float16")
+    assert "model.dtype" in str(info.value) and "model.weight_format" in str(info.value)
+    with pytest.raises(ConfigError, match=r"native.*bfloat16.*needs AVX512-BF16.*model.cpu_isa"):
+        plan_for(AVX2_ONLY, weight_format="native", dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"model.weight_format = \"native\" has no CUDA kernel"):
         plan_for(ZEN4, ("cuda:0", "cuda:1"), weight_format="native", device="cuda")
 

@@ -3,7 +3,9 @@
 Greedy output equals `transformers` float32 on the same file (which
 dequantizes it), token for token, at pp = 1 and 2; and every ISA level this
 CPU runs gives the same tokens (float32 everywhere: AVX2 and AVX-512 compute
-the same bits; the generic build rounds its multiply-adds twice).
+the same bits; the generic build rounds its multiply-adds twice). With
+AVX512-BF16 native weights also compute in bfloat16, on the very weights the
+float path rounds to bfloat16: the same tokens as the float path.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ CHATS = [
 MAX_TOKENS = 32
 
 
-def native_config(pp_size: int = 1, cpu_isa: str = "auto", weight_format: str = "native") -> EngineConfig:
+def native_config(
+    pp_size: int = 1, cpu_isa: str = "auto", weight_format: str = "native", dtype: str = "float32"
+) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig(source="gguf", dtype="auto", weight_format=weight_format, cpu_isa=cpu_isa, max_model_len=512),
+        model=ModelConfig(source="gguf", dtype=dtype, weight_format=weight_format, cpu_isa=cpu_isa, max_model_len=512),
         parallel=ParallelConfig(pp_size=pp_size, num_threads=1),
         cache=CacheConfig(kv_cache_memory_mb=64),
     )
@@ -84,3 +88,18 @@ def test_isa_levels_give_the_same_tokens():
         _, other = generate(native_config(cpu_isa=level))
         for chat, a, b in zip(CHATS, native, other):
             assert a.token_ids == b.token_ids, (level, chat, a.text, b.text)
+
+
+def test_native_bfloat16_equals_float_bfloat16():
+    """With AVX512-BF16, native weights compute in bfloat16 on the float path's bfloat16 weights."""
+    from asyncpp.kernels.linear_bf16 import bf16_native_kernel
+
+    if bf16_native_kernel() is None:
+        pytest.skip("bfloat16 native weights need AVX512-BF16")
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    results = {}
+    for weight_format in ("native", "float"):
+        config = native_config(pp_size=2, weight_format=weight_format, dtype="bfloat16")
+        engine = Engine(config)
+        results[weight_format] = [r.token_ids for r in engine.generate(CHATS, sampling)]
+    assert results["native"] == results["float"]

@@ -23,13 +23,13 @@ BLOCK_SIZE = 16
 LEVELS = [lv for lv in cpu_info().supported_levels if lv != "amx"]
 
 
-def _step(arch, isa):
+def _step(arch, isa, dtype=torch.float32):
     start_positions = np.array([0, 30, 20, 0, 5])
     num_new_tokens = np.array([12, 1, 9, 33, 1])
     block_table = np.arange(5 * 4).reshape(5, 4)[::-1].copy()
-    kernel = decode_attention_kernel("cpu", torch.float32, arch.num_heads, arch.num_kv_heads, arch.head_dim, isa=isa)
+    kernel = decode_attention_kernel("cpu", dtype, arch.num_heads, arch.num_kv_heads, arch.head_dim, isa=isa)
     meta, positions = AttentionMetadata.build(
-        start_positions, num_new_tokens, block_table, BLOCK_SIZE, "cpu", torch.float32, decode_kernel=kernel
+        start_positions, num_new_tokens, block_table, BLOCK_SIZE, "cpu", dtype, decode_kernel=kernel
     )
     return meta, torch.from_numpy(positions), int(num_new_tokens.sum())
 
@@ -77,9 +77,32 @@ def test_stack_is_bit_identical_to_modules(isa, start, end):
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def test_stack_only_for_float32_native_linears():
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_bfloat16_stack_over_gguf_blocks_is_bit_identical(tmp_path, qtype):
+    if "avx512_bf16" not in LEVELS:
+        pytest.skip("bfloat16 native weights need AVX512-BF16")
+    from tests.weights.weights_helpers import GGUF_ARCH, Q, random_hf_tensors, write_llama_gguf
+
+    arch = GGUF_ARCH
+    tensors = {n: t * (0.05 if t.ndim == 2 else 1.0) for n, t in random_hf_tensors(arch, seed=5).items()}
+    path = str(write_llama_gguf(tmp_path / "m.gguf", arch, tensors, getattr(Q, qtype)))
+    model = build_model_slice("gguf", path, arch, 0, 1, torch.bfloat16, "cpu", weight_format="native")
+    assert model.stack is not None and model.stack.dtype == torch.bfloat16
+    meta, positions, num_tokens = _step(arch, "avx512_bf16", torch.bfloat16)
+    ids = torch.randint(0, arch.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(1))
+    stack, results = model.stack, []
+    for use_stack in (True, False):
+        model.use_layer_stack(stack if use_stack else None)
+        caches = [(k.bfloat16(), v.bfloat16()) for k, v in _caches(model, seed=3)]
+        results.append((model(ids, positions, caches, meta), caches))
+    (a, caches_a), (b, caches_b) = results
+    assert all(torch.equal(a[key], b[key]) for key in ("hidden_states", "residual"))
+    assert all(torch.equal(x, y) for pa, pb in zip(caches_a, caches_b) for x, y in zip(pa, pb))
+
+
+def test_no_stack_without_native_linears():
     arch = read_arch("random", "tiny-llama")
     bf16 = build_model_slice("random", "tiny-llama", arch, 0, 2, torch.bfloat16, "cpu")
-    assert bf16.stack is None
+    assert bf16.stack is None  # float weights in bfloat16: the oneDNN / linear_bf16 modules
     onednn = build_model_slice("random", "tiny-llama", arch, 0, 2, torch.float32, "cpu", linear_kernel="onednn")
     assert onednn.stack is None

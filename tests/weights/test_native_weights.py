@@ -103,11 +103,13 @@ def test_type_without_kernel_names_the_tensor(tmp_path):
         build_model_slice("gguf", str(path), arch, 0, 1, torch.float32, "cpu", weight_format="native")
 
 
-def test_native_needs_float32(tmp_path):
+def test_native_needs_float32_or_bfloat16_on_cpu(tmp_path):
     path = _gguf(tmp_path, Q.Q8_0)
     arch = read_arch("gguf", str(path))
-    with pytest.raises(ValueError, match="float32"):
-        build_model_slice("gguf", str(path), arch, 0, 1, torch.bfloat16, "cpu", weight_format="native")
+    with pytest.raises(ValueError, match="float32 or bfloat16 on CPU"):
+        build_model_slice("gguf", str(path), arch, 0, 1, torch.float16, "cpu", weight_format="native")
+    with pytest.raises(ValueError, match="bfloat16 needs AVX512-BF16"):
+        build_model_slice("gguf", str(path), arch, 0, 1, torch.bfloat16, "cpu", isa="avx2", weight_format="native")
 
 
 def test_float_sources_are_stored_as_f32():
@@ -119,3 +121,24 @@ def test_float_sources_are_stored_as_f32():
     stored = tensors[EMBED_NAME]
     assert torch.equal(stored.rows.view(torch.float32).reshape(stored.shape), floats[EMBED_NAME])
     assert arch.hidden_size == stored.shape[1]
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.F16], ids=lambda q: q.name)
+def test_bfloat16_native_linears_equal_the_float_path_bit_for_bit(tmp_path, qtype):
+    """In bfloat16 the blocks expand to the float path's bfloat16 weights: the same bits out."""
+    from asyncpp.kernels.linear_bf16 import bf16_native_kernel
+
+    if bf16_native_kernel() is None:
+        pytest.skip("bfloat16 native weights need AVX512-BF16")
+    path = _gguf(tmp_path, qtype, tied=True)
+    arch = read_arch("gguf", str(path))
+    native = build_model_slice("gguf", str(path), arch, 0, 2, torch.bfloat16, "cpu", weight_format="native")
+    floats = build_model_slice("gguf", str(path), arch, 0, 2, torch.bfloat16, "cpu", weight_format="float")
+    assert isinstance(native.lm_head, NativeLinear) and native.embed_tokens.packed is native.lm_head.runs[0][1]
+    assert native.weight_nbytes() < floats.weight_nbytes()
+    ids = torch.tensor([3, 7, 11, 0, 39, 5])
+    assert torch.equal(native.embed_tokens(ids), floats.embed_tokens(ids))
+    for rows in (1, 3, 9):
+        x = torch.randn(rows, arch.hidden_size).bfloat16()
+        for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.gate_up_proj", "lm_head"):
+            assert torch.equal(native.get_submodule(name)(x), floats.get_submodule(name)(x)), (name, rows)
