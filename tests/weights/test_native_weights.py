@@ -78,7 +78,7 @@ def test_native_model_equals_float32_on_dequantized_weights(tmp_path, qtype, tie
     for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"):
         a, b = native.get_submodule(name), floats.get_submodule(name)
         xin = x if a.in_features == arch.hidden_size else torch.randn(5, a.in_features)
-        torch.testing.assert_close(a(xin), b(xin), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a(xin), b(xin), rtol=1e-4, atol=1e-4)  # outputs ~1: float32 rounding
 
 
 def test_mixed_formats_in_one_layer(tmp_path):
