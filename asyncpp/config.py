@@ -23,7 +23,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SOURCES = ("gguf", "hf", "random")
 _LINEAR_KERNELS = ("auto", "onednn")
 _CPU_ISAS = ("auto", *ISA_LEVELS)
-_WEIGHT_FORMATS = ("float", "native")
+_WEIGHT_FORMATS = ("auto", "float", "native")
 
 
 class ConfigError(ValueError):
@@ -47,7 +47,7 @@ class ModelConfig:
     cpu_isa: str = "auto"
     # "float": weights converted to `dtype` at load; "native": kept in the file's format (GGUF
     # quantized blocks, float16, ...) and multiplied in float32 (dtype float32 or auto; CPU only).
-    weight_format: str = "float"
+    weight_format: str = "auto"
     # CUDA stages: capture a graph per stage for decode steps of these batch sizes (a step is
     # padded to the next one; larger steps and prefills run eagerly). Ignored on CPU.
     cuda_graphs: bool = True

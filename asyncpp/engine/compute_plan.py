@@ -14,13 +14,15 @@ activation ring takes the plan's resolved values, never the config's
   An explicit dtype is kept, even a slow one;
 - `weight_format = "native"` needs a CPU (no CUDA kernel) and float32, or
   bfloat16 at a level with AVX512-BF16 (its kernel expands the blocks into
-  bfloat16 dot products).
+  bfloat16 dot products). "auto" is native wherever that holds and its
+  kernel builds (a C compiler, kernels not disabled), else float: native is
+  as fast or faster at every load measured (README, "CPU speed").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from asyncpp.config import ConfigError, ModelConfig
 from asyncpp.kernels import isa as kernel_isa
@@ -35,7 +37,7 @@ class ComputePlan:
 
     isa: str  # the level the CPU kernels are built for (one of ISA_LEVELS)
     dtype: str  # "float32" | "bfloat16" | "float16": weights (float format), activations, KV cache
-    weight_format: str  # "float" | "native"
+    weight_format: str  # "float" | "native" (resolved)
     reason: str  # one sentence, "<dtype>: why", e.g. "float32: weight_format = native computes in float32"
     cpu_model: str
     cpu_features: dict[str, bool]
@@ -59,9 +61,13 @@ class ComputePlan:
 
 
 def resolve_compute_plan(
-    model: ModelConfig, devices: Sequence[str], info: kernel_isa.CpuInfo | None = None
+    model: ModelConfig,
+    devices: Sequence[str],
+    info: kernel_isa.CpuInfo | None = None,
+    native_kernel_builds: Callable[[str, str], bool] | None = None,
 ) -> ComputePlan:
-    """The plan for `model` on the stages' `devices`; `info`: the CPU (default: this machine's)."""
+    """The plan for `model` on the stages' `devices`; `info`: the CPU (default: this machine's);
+    `native_kernel_builds(dtype, isa)`: whether native weights' kernel builds here (default: try)."""
     info = info or kernel_isa.cpu_info()
     try:
         isa = kernel_isa.resolve_isa(model.cpu_isa, info, key="model.cpu_isa")
@@ -70,15 +76,28 @@ def resolve_compute_plan(
     on_cuda = any(d.split(":")[0] == "cuda" for d in devices)
     _check_weight_format(model, on_cuda)
     dtype, reason = _choose_dtype(model, isa, info, on_cuda)
+    weight_format = model.weight_format
+    if weight_format == "auto":
+        builds = native_kernel_builds or _native_kernel_builds
+        native = not on_cuda and (dtype == "float32" or (dtype == "bfloat16" and kernel_isa.at_least(isa, "avx512_bf16")))
+        weight_format = "native" if native and builds(dtype, isa) else "float"
     return ComputePlan(
         isa=isa,
         dtype=dtype,
-        weight_format=model.weight_format,
+        weight_format=weight_format,
         reason=reason,
         cpu_model=info.model_name,
         cpu_features=info.features(),
         best_isa=info.best_level,
     )
+
+
+def _native_kernel_builds(dtype: str, isa: str) -> bool:
+    """Whether the kernel of native weights in `dtype` loads at `isa` (it is built and cached once)."""
+    from asyncpp.kernels.linear_bf16 import bf16_native_kernel
+    from asyncpp.kernels.qlinear import qlinear_kernel
+
+    return (qlinear_kernel(isa) if dtype == "float32" else bf16_native_kernel(isa)) is not None
 
 
 def _check_weight_format(model: ModelConfig, on_cuda: bool) -> None:

@@ -22,13 +22,13 @@ ARM = CpuInfo("Neoverse-V1", frozenset({"asimd", "bf16"}), "aarch64")
 CPU = ("cpu", "cpu")
 
 
-def plan_for(info: CpuInfo, devices=CPU, **model) -> ComputePlan:
-    return resolve_compute_plan(ModelConfig(**model), devices, info)
+def plan_for(info: CpuInfo, devices=CPU, builds: bool = True, **model) -> ComputePlan:
+    return resolve_compute_plan(ModelConfig(**model), devices, info, lambda dtype, level: builds)
 
 
 def test_auto_is_bfloat16_where_the_cpu_computes_it_natively():
     plan = plan_for(ZEN4)
-    assert (plan.isa, plan.best_isa, plan.dtype, plan.weight_format) == ("avx512_bf16", "avx512_bf16", "bfloat16", "float")
+    assert (plan.isa, plan.best_isa, plan.dtype, plan.weight_format) == ("avx512_bf16", "avx512_bf16", "bfloat16", "native")
     assert plan.reason == "bfloat16: the CPU computes it natively (AVX512-BF16)"
     assert plan.cpu_model == "AMD EPYC 9R14" and plan.cpu_features["avx512_bf16"] and not plan.cpu_features["amx_bf16"]
     amx = plan_for(SAPPHIRE)
@@ -47,9 +47,19 @@ def test_a_forced_lower_level_decides_the_dtype_and_says_so():
     assert (plan.isa, plan.best_isa, plan.dtype) == ("avx2", "avx512_bf16", "float32")
     assert plan.reason == "float32: no native bfloat16 at cpu_isa = avx2; bf16 matmul would run on a slow path"
     assert plan.summary().startswith("cpu: avx2 of avx512_bf16; dtype float32: no native bfloat16 at cpu_isa = avx2")
-    assert plan.summary().endswith("; weights float")
+    assert plan.summary().endswith("; weights native")
     assert plan_for(SAPPHIRE, cpu_isa="avx512_bf16").dtype == "bfloat16"
     assert plan_for(ZEN4, cpu_isa="generic").isa == "generic"
+
+
+def test_auto_weights_are_native_where_a_kernel_serves_them():
+    assert plan_for(AVX2_ONLY).weight_format == "native"  # float32
+    assert plan_for(ZEN4, cpu_isa="avx2").weight_format == "native"
+    assert plan_for(AVX2_ONLY, dtype="bfloat16").weight_format == "float"  # no bf16 block kernel below AVX512-BF16
+    assert plan_for(ZEN4, dtype="float16").weight_format == "float"
+    assert plan_for(ZEN4, ("cuda:0",), device="cuda").weight_format == "float"
+    assert plan_for(ZEN4, builds=False).weight_format == "float"  # no C compiler, or kernels disabled
+    assert plan_for(ZEN4, weight_format="float").weight_format == "float"
 
 
 def test_explicit_dtypes_are_kept_even_slow_ones():
