@@ -21,7 +21,7 @@ def test_shipped_configs_load(name):
 def test_default_config_is_the_documented_deployment():
     config = load_config(CONFIGS / "default.toml")
     assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "auto", "cpu")
-    assert (config.model.cpu_isa, config.model.weight_format) == ("auto", "float")
+    assert (config.model.cpu_isa, config.model.weight_format) == ("auto", "auto")
     assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
     assert config.parallel.steps_in_flight == 2  # one cohort per stage
     assert config.server.host == "127.0.0.1"
