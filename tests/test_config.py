@@ -76,7 +76,7 @@ def test_missing_and_invalid_files(tmp_path):
 
 def test_model_defaults_leave_dtype_and_isa_to_start_up():
     model = config_from_dict({}).model
-    assert (model.dtype, model.cpu_isa, model.weight_format) == ("auto", "auto", "float")
+    assert (model.dtype, model.cpu_isa, model.weight_format) == ("auto", "auto", "auto")
     # Every level is accepted here, whether or not this CPU runs it: that is checked at start-up.
     for level in ("generic", "avx2", "avx512", "avx512_bf16", "amx"):
         assert config_from_dict({"model": {"cpu_isa": level}}).model.cpu_isa == level
