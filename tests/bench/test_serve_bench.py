@@ -61,7 +61,7 @@ def test_json_has_what_each_engine_computed_with(result):
     for run in result["runs"]:
         compute = run["compute"]
         assert (compute["isa"], compute["best_isa"], compute["dtype"], compute["weight_format"]) == (
-            best, best, "float32", "float"
+            best, best, "float32", "native"
         )
         assert compute["cpu_model"] == cpu_info().model_name and compute["reason"]
         assert run["dtype"] == "float32"  # the resolved one, as the memcpy reference uses it

@@ -45,12 +45,12 @@ async def test_stats_and_ready_line_show_the_plan(shared_pp2_engine):
         client.close()
     assert PLAN_KEYS <= set(stats)
     best = cpu_info().best_level
-    assert (stats["isa"], stats["best_isa"], stats["dtype"], stats["weight_format"]) == (best, best, "float32", "float")
+    assert (stats["isa"], stats["best_isa"], stats["dtype"], stats["weight_format"]) == (best, best, "float32", "native")
     assert stats["reason"] == "float32: set by model.dtype" and stats["cpu_model"] == cpu_info().model_name
     weights = stats["weight_bytes_per_stage"]
     assert len(weights) == 2 and all(type(n) is int and n > 0 for n in weights), weights
     line = ready_line(shared_pp2_engine.output)
-    assert f"(cpu: {best} of {best}; dtype float32: set by model.dtype; weights float)" in line, line
+    assert f"(cpu: {best} of {best}; dtype float32: set by model.dtype; weights native)" in line, line
     [event] = events(shared_pp2_engine.log_file, "compute_plan")
     assert {k: event[k] for k in PLAN_KEYS} == {k: stats[k] for k in PLAN_KEYS}
 
