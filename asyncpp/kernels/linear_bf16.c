@@ -129,11 +129,13 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
  * float path would pack (GGUF's float32 dequantization d * q (+ m), rounded to nearest even),
  * so the two give the same bits; the blocks stay in memory, 3.2x (Q4_1) smaller than bf16.
  * Layout: per BLOCK of 64 columns, per 32-input block b, per panel: [d: 16 x fp16][m: 16 x
- * fp16, Q4_1][values], the values in pairs of inputs (2p, 2p + 1) as dpbf16 takes them: Q4 as
- * 16 rows of 16 bytes (low nibble input 2p, high nibble 2p + 1), Q8_0 as 16 rows of 16 int8
- * for the even inputs, then 16 rows for the odd ones. One or a few rows expand each pair in
- * registers; more rows expand a block of columns once into the layout above (an L2 scratch)
- * and run the same tiles on it. */
+ * fp16, Q4_1][values], one row per pair of inputs (2p, 2p + 1), ordered so that dpbf16's
+ * operand comes out of one conversion with no shuffle: in the float32 vectors A (columns 0-7)
+ * and B (columns 8-15), lane 2c + t is column c (or c + 8), input 2p + t. Q4: 16 rows of 16
+ * bytes, byte 2c + t holding A's value in its low nibble and B's in its high one; Q8_0: 16 rows
+ * of 32 int8, A's 16 then B's 16. One or a few rows expand each pair in registers; more rows
+ * expand a block of columns once into the layout above (an L2 scratch) and run the same tiles
+ * on it. */
 
 enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
 #define QK 32
@@ -154,18 +156,32 @@ int64_t linear_bf16_q_packed_nbytes(int fmt, int64_t n, int64_t k) {
     return (n + BLOCK - 1) / BLOCK * NB * (k / QK) * qb_panel_block_bytes(fmt);
 }
 
+/* Byte offset, within a panel block's values, of (column `lane`, input j); for Q4 also which nibble. */
+static int64_t qb_value_offset(int fmt, int lane, int j, int *high_nibble) {
+    const int p = j / 2, t = j % 2, c = lane % 8, half = lane / 8; /* half 0: vector A, 1: vector B */
+    *high_nibble = half;
+    if (fmt == QB_Q8_0) return p * 32 + half * 16 + 2 * c + t;
+    return p * 16 + 2 * c + t;
+}
+
+static int64_t qb_header_bytes(int fmt) { return fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2; }
+
 /* One GGUF block of row r (at `s`) -> its lane of a panel block (`blk`). */
-static void qb_pack_block(int fmt, const uint8_t *s, uint8_t *blk, int64_t lane) {
+static void qb_pack_block(int fmt, const uint8_t *s, uint8_t *blk, int lane) {
     memcpy(blk + lane * 2, s, 2); /* d */
+    uint8_t *values = blk + qb_header_bytes(fmt);
+    int high;
     if (fmt == QB_Q8_0) {
-        for (int j = 0; j < QK; j++) blk[PANEL * 2 + ((j % 2) * QK / 2 + j / 2) * PANEL + lane] = s[2 + j];
+        for (int j = 0; j < QK; j++) values[qb_value_offset(fmt, lane, j, &high)] = s[2 + j];
         return;
     }
     const int hdr = fmt == QB_Q4_1 ? 4 : 2;
     if (fmt == QB_Q4_1) memcpy(blk + PANEL * 2 + lane * 2, s + 2, 2); /* m */
-    uint8_t q[QK];
-    for (int j = 0; j < QK / 2; j++) q[j] = s[hdr + j] & 15, q[j + QK / 2] = s[hdr + j] >> 4; /* GGUF: j, j + 16 */
-    for (int p = 0; p < QK / 2; p++) blk[PANEL * hdr + p * PANEL + lane] = (uint8_t)(q[2 * p] | q[2 * p + 1] << 4);
+    for (int j = 0; j < QK; j++) {
+        const uint8_t byte = s[hdr + j % (QK / 2)], q = j < QK / 2 ? byte & 15 : byte >> 4; /* GGUF: j, j + 16 */
+        uint8_t *v = values + qb_value_offset(fmt, lane, j, &high);
+        *v = high ? (uint8_t)((*v & 15) | q << 4) : (uint8_t)((*v & 0xF0) | q);
+    }
 }
 
 /* GGUF rows `src` ([n] rows of k / 32 blocks) -> `dst` (linear_bf16_q_packed_nbytes, zeroed here). */
@@ -175,7 +191,7 @@ void linear_bf16_q_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8
     for (int64_t r = 0; r < n; r++)
         for (int64_t b = 0; b < nb; b++) {
             const int64_t block = r / BLOCK, panel = r % BLOCK / PANEL, lane = r % PANEL;
-            qb_pack_block(fmt, src + (r * nb + b) * src_block, dst + ((block * nb + b) * NB + panel) * pb, lane);
+            qb_pack_block(fmt, src + (r * nb + b) * src_block, dst + ((block * nb + b) * NB + panel) * pb, (int)lane);
         }
 }
 
@@ -199,10 +215,10 @@ static float qb_weight(int fmt, const uint8_t *blk, int lane, int j) {
     uint16_t h;
     memcpy(&h, blk + lane * 2, 2);
     const float d = qb_half(h);
-    if (fmt == QB_Q8_0) return d * (float)(int8_t)blk[PANEL * 2 + ((j % 2) * QK / 2 + j / 2) * PANEL + lane];
-    const int hdr = fmt == QB_Q4_1 ? 4 : 2;
-    const uint8_t byte = blk[PANEL * hdr + (j / 2) * PANEL + lane];
-    const float q = (float)(j % 2 ? byte >> 4 : byte & 15);
+    int high;
+    const uint8_t byte = blk[qb_header_bytes(fmt) + qb_value_offset(fmt, lane, j, &high)];
+    if (fmt == QB_Q8_0) return d * (float)(int8_t)byte;
+    const float q = (float)(high ? byte >> 4 : byte & 15);
     if (fmt == QB_Q4_0) return d * (q - 8.0f);
     memcpy(&h, blk + PANEL * 2 + lane * 2, 2);
     return d * q + qb_half(h);
@@ -223,35 +239,38 @@ void linear_bf16_q_dequant_rows(int fmt, const uint8_t *packed, int64_t k, const
 
 #if HAVE_AVX512_BF16
 
-/* Pair p (inputs 2p, 2p + 1) of a panel block as 16 lanes of bfloat16 pairs, rounded as torch rounds. */
-static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *blk, int p, __m512 d,
-                                                              __m512 m) {
-    __m512 even, odd;
+/* Pair p (inputs 2p, 2p + 1) of a panel block as 16 lanes of bfloat16 pairs, rounded as torch rounds.
+ * `d` and `m` are the block's scales spread to vector A's lanes (columns 0-7, each twice) and B's. */
+static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *blk, int p, __m512 da,
+                                                              __m512 db, __m512 ma, __m512 mb) {
+    const uint8_t *values = blk + (fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2);
+    __m512 a, b;
     if (fmt == QB_Q8_0) {
-        const int8_t *q = (const int8_t *)blk + PANEL * 2;
-        even = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + p * PANEL)))), d);
-        odd = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + (QK / 2 + p) * PANEL)))), d);
+        const int8_t *q = (const int8_t *)values + p * 32;
+        a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), da);
+        b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), db);
     } else {
-        const int hdr = fmt == QB_Q4_1 ? 4 : 2;
-        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + PANEL * hdr + p * PANEL)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(values + p * 16)));
         /* d * q is exact in float32, so one fma rounds like GGUF's d * q + m; Q4_0's m is -8 d (exact). */
-        even = _mm512_fmadd_ps(lo, d, m);
-        odd = _mm512_fmadd_ps(hi, d, m);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), da, ma);
+        b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), db, mb);
     }
-    /* [even 0..15 | odd 0..15] as bf16, then interleaved into (even i, odd i) pairs */
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
-    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
-                                           21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return (__m512bh)_mm512_permutexvar_epi16(order, both);
+    /* bf16 elements 0-15 from A, 16-31 from B: dword lane i is (column i, inputs 2p and 2p + 1) */
+    return _mm512_cvtne2ps_pbh(b, a);
 }
 
-static inline __attribute__((always_inline)) void qb_scales(const int fmt, const uint8_t *blk, __m512 *d, __m512 *m) {
-    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    *m = fmt == QB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)))
-                        : _mm512_mul_ps(*d, _mm512_set1_ps(-8.0f));
+/* The block's scales d and m (Q4_0: -8 d), spread to vector A's and B's lanes. */
+static inline __attribute__((always_inline)) void qb_scales(const int fmt, const uint8_t *blk, __m512 *da, __m512 *db,
+                                                            __m512 *ma, __m512 *mb) {
+    const __m512i to_a = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i to_b = _mm512_add_epi32(to_a, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 m = fmt == QB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)))
+                                    : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    *da = _mm512_permutexvar_ps(to_a, d);
+    *db = _mm512_permutexvar_ps(to_b, d);
+    *ma = _mm512_permutexvar_ps(to_a, m);
+    *mb = _mm512_permutexvar_ps(to_b, m);
 }
 
 /* Rows [0, mt) times one BLOCK of columns, expanding each pair in registers (few rows). */
@@ -264,14 +283,14 @@ static inline __attribute__((always_inline)) void qb_gemv_tile(const int fmt, co
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blocks = wb + b * NB * pb;
-        __m512 d[NB], m[NB];
-        for (int j = 0; j < NB; j++) qb_scales(fmt, blocks + j * pb, &d[j], &m[j]);
+        __m512 da[NB], db[NB], ma[NB], mb[NB];
+        for (int j = 0; j < NB; j++) qb_scales(fmt, blocks + j * pb, &da[j], &db[j], &ma[j], &mb[j]);
         if (b + 2 < nb)
             for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch((const char *)(blocks + 2 * NB * pb + off), _MM_HINT_T0);
         for (int p = 0; p < QK / 2; p++) {
             const int64_t kp = b * QK / 2 + p;
             for (int j = 0; j < NB; j++) {
-                const __m512bh w = qb_pair(fmt, blocks + j * pb, p, d[j], m[j]);
+                const __m512bh w = qb_pair(fmt, blocks + j * pb, p, da[j], db[j], ma[j], mb[j]);
                 for (int i = 0; i < mt; i++) {
                     uint32_t pair;
                     memcpy(&pair, x + i * ldx + 2 * kp, sizeof pair);
@@ -312,10 +331,11 @@ static inline __attribute__((always_inline)) void qb_expand(const int fmt, const
     for (int64_t b = 0; b < nb; b++)
         for (int j = 0; j < NB; j++) {
             const uint8_t *blk = wb + (b * NB + j) * pb;
-            __m512 d, m;
-            qb_scales(fmt, blk, &d, &m);
+            __m512 da, db, ma, mb;
+            qb_scales(fmt, blk, &da, &db, &ma, &mb);
             for (int p = 0; p < QK / 2; p++)
-                _mm512_storeu_si512(dst + j * panel_stride + (b * QK / 2 + p) * 2 * PANEL, (__m512i)qb_pair(fmt, blk, p, d, m));
+                _mm512_storeu_si512(dst + j * panel_stride + (b * QK / 2 + p) * 2 * PANEL,
+                                    (__m512i)qb_pair(fmt, blk, p, da, db, ma, mb));
         }
 }
 
