@@ -84,3 +84,31 @@ def test_pack_linear_layers_uses_the_kernel(kernel):
     assert pack_linear_layers(model, kernel) == 1  # layers with a bias stay plain
     assert isinstance(model[0], KernelLinear) and isinstance(model[1], torch.nn.Linear)
     assert torch.equal(model[0](x), kernel.linear(x, kernel.pack(weight), 32))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 13, 64, 97, 512])
+def test_gguf_blocks_give_the_bits_of_their_bfloat16_weights(kernel, threads, fmt, rows):
+    """Blocks expanded in the kernel (registers up to 4 rows, an L2 scratch beyond) equal the float
+    path on round_bf16(GGUF's dequantization): every shape, row count and thread count."""
+    import gguf
+    import numpy as np
+
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    for out_features, in_features in [(960, 576), (100, 64), (37, 96)]:
+        w = np.random.default_rng(rows + out_features).standard_normal((out_features, in_features)).astype(np.float32)
+        raw = gguf.quants.quantize(w, qtype)
+        deq = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(out_features, in_features).astype(np.float32))
+        packed = kernel.pack_blocks(fmt, torch.from_numpy(raw), out_features, in_features)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows)).to(BF16)
+        expected = kernel.linear(x, kernel.pack(deq.to(BF16)), out_features)
+        assert torch.equal(kernel.linear_blocks(fmt, x, packed, out_features), expected), (out_features, in_features)
+        ids = torch.tensor([0, out_features - 1, out_features // 2])
+        assert torch.equal(kernel.dequant_rows_blocks(fmt, packed, in_features, ids), deq[ids])
+
+
+def test_gguf_blocks_refuse_what_they_cannot_serve(kernel):
+    with pytest.raises(ValueError, match="no kernel for q5_0"):
+        kernel.pack_blocks("q5_0", torch.zeros(4, 22, dtype=torch.uint8), 4, 32)
+    with pytest.raises(ValueError, match="q4_1 weights of 40 inputs"):
+        kernel.pack_blocks("q4_1", torch.zeros(4, 25, dtype=torch.uint8), 4, 40)
