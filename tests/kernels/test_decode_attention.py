@@ -7,15 +7,18 @@ import pytest
 import torch
 
 from asyncpp.kernels import build
-from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.isa import cpu_info, native_level
 from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.model.attention import AttentionMetadata, paged_attention
 
 BLOCK_SIZE = 16
 
 
-def _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim):
-    fn = decode_attention_kernel("cpu", dtype, num_heads, num_kv_heads, head_dim)
+LEVELS = [lv for lv in cpu_info().supported_levels if lv != "amx"]  # amx builds the C kernels like avx512_bf16
+
+
+def _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa=None):
+    fn = decode_attention_kernel("cpu", dtype, num_heads, num_kv_heads, head_dim, isa=isa)
     if fn is None:
         pytest.skip("no C compiler: the decode kernel is unavailable here")
     return fn
@@ -66,8 +69,9 @@ def _run(fn, q, k_cache, v_cache, block_table, context_lens, rows=None, num_rows
     [(9, 3, 64), (4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 1, 128), (3, 3, 48)],
 )
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-def test_matches_float64_reference(num_heads, num_kv_heads, head_dim, dtype, atol):
-    fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim)
+@pytest.mark.parametrize("isa", LEVELS)
+def test_matches_float64_reference(num_heads, num_kv_heads, head_dim, dtype, atol, isa):
+    fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa)
     # 1 key, block boundaries (15/16/17, 32) and longer contexts in one batch.
     q, k_cache, v_cache, block_table, context_lens = _case(
         num_heads, num_kv_heads, head_dim, [1, 15, 16, 17, 32, 100, 203], dtype
@@ -90,8 +94,9 @@ def test_writes_only_the_given_rows():
     assert out[[0, 2, 4]].isnan().all(), "rows of other tokens must be left alone"
 
 
-def test_batch_invariant_and_thread_invariant():
-    fn = _kernel_or_skip(torch.bfloat16, 9, 3, 64)
+@pytest.mark.parametrize("isa", LEVELS)
+def test_batch_invariant_and_thread_invariant(isa):
+    fn = _kernel_or_skip(torch.bfloat16, 9, 3, 64, isa)
     q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [7, 64, 130, 33, 250, 1], torch.bfloat16)
     threads = torch.get_num_threads()
     try:
@@ -130,6 +135,14 @@ def test_paged_attention_kernel_equals_torch_path(dtype):
         outs.append(paged_attention(qk[:, :num_heads], k, v, k_cache.clone(), v_cache.clone(), meta, head_dim**-0.5))
     atol = 2e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
+
+
+def test_every_level_gives_the_same_bits():
+    """The kernel is GCC vector code with contraction off (-std=c11): each level computes the same sums."""
+    levels = {isa: _kernel_or_skip(torch.float32, 9, 3, 64, isa) for isa in LEVELS}
+    q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [3, 70, 129], torch.float32)
+    outs = [_run(fn, q, k_cache, v_cache, block_table, context_lens)[0] for fn in levels.values()]
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
 
 
 def test_unsupported_shapes_and_devices_fall_back():
