@@ -2,7 +2,7 @@
 
 Greedy output equals `transformers` float32 on the same file (which
 dequantizes it), token for token, at pp = 1 and 2; and every ISA level this
-CPU runs gives the same tokens (float32 everywhere: AVX2 and AVX-512 compute
+CPU runs gives the same tokens (float32 everywhere: the AVX2 and AVX-512 linears compute
 the same bits; the generic build rounds its multiply-adds twice). With
 AVX512-BF16 native weights also compute in bfloat16, on the very weights the
 float path rounds to bfloat16: the same tokens as the float path.
