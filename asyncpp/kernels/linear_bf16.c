@@ -23,6 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
@@ -53,6 +55,18 @@ void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
 
 #if HAVE_AVX512_BF16
 
+/* Columns [col, col + 16) of a row, rounded to bfloat16; only those below n are written. */
+static inline void store_panel_bf16(uint16_t *row, int64_t col, int64_t n, __m512 acc) {
+    const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc);
+    if (col + PANEL <= n) {
+        _mm256_storeu_si256((__m256i *)(row + col), out);
+    } else {
+        uint16_t tail[PANEL];
+        _mm256_storeu_si256((__m256i *)tail, out);
+        memcpy(row + col, tail, (size_t)(n - col) * sizeof tail[0]);
+    }
+}
+
 /* Rows [0, mt) of x times one block of panels `wp`; while at it, prefetch the input pairs
  * kp = tile_index (mod num_tiles) of the next block `next` (NULL: none). */
 static inline __attribute__((always_inline)) void block_tile(const uint16_t *x, int64_t ldx, const int mt,
@@ -76,17 +90,7 @@ static inline __attribute__((always_inline)) void block_tile(const uint16_t *x, 
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) {
-            const int64_t col = n0 + j * PANEL;
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
-            if (col + PANEL <= n) {
-                _mm256_storeu_si256((__m256i *)(y + i * ldy + col), out);
-            } else {
-                uint16_t tail[PANEL];
-                _mm256_storeu_si256((__m256i *)tail, out);
-                memcpy(y + i * ldy + col, tail, (size_t)(n - col) * sizeof tail[0]);
-            }
-        }
+        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, acc[i][j]);
 }
 
 #define TILE_CASE(rows) \
@@ -195,33 +199,18 @@ void linear_bf16_q_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8
         }
 }
 
-static float qb_half(uint16_t h) { /* IEEE half -> float32, exactly */
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
-    uint32_t u;
-    if (exp == 0x1F) u = sign | 0x7F800000 | (mant << 13);
-    else if (exp != 0) u = sign | ((exp + 112) << 23) | (mant << 13);
-    else {
-        float f = (float)mant * 5.9604644775390625e-8f;
-        memcpy(&u, &f, sizeof u);
-        u |= sign;
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 /* The dequantized float32 weight of input j (0..31) of lane `lane` of a panel block (scalar). */
 static float qb_weight(int fmt, const uint8_t *blk, int lane, int j) {
     uint16_t h;
     memcpy(&h, blk + lane * 2, 2);
-    const float d = qb_half(h);
+    const float d = half_to_float(h);
     int high;
     const uint8_t byte = blk[qb_header_bytes(fmt) + qb_value_offset(fmt, lane, j, &high)];
     if (fmt == QB_Q8_0) return d * (float)(int8_t)byte;
     const float q = (float)(high ? byte >> 4 : byte & 15);
     if (fmt == QB_Q4_0) return d * (q - 8.0f);
     memcpy(&h, blk + PANEL * 2 + lane * 2, 2);
-    return d * q + qb_half(h);
+    return d * q + half_to_float(h);
 }
 
 /* out [num_ids, k] float32 = rows `ids` of a weight packed by linear_bf16_q_pack, dequantized (float32). */
@@ -300,17 +289,7 @@ static inline __attribute__((always_inline)) void qb_gemv_tile(const int fmt, co
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) {
-            const int64_t col = n0 + j * PANEL;
-            const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[i][j]);
-            if (col + PANEL <= n) {
-                _mm256_storeu_si256((__m256i *)(y + i * ldy + col), out);
-            } else {
-                uint16_t tail[PANEL];
-                _mm256_storeu_si256((__m256i *)tail, out);
-                memcpy(y + i * ldy + col, tail, (size_t)(n - col) * sizeof tail[0]);
-            }
-        }
+        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, acc[i][j]);
 }
 
 #define QB_GEMV_CASE(F, R) \
