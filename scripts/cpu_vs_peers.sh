@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# usage: scripts/cpu_vs_peers.sh [OUT_DIR]      (default OUT_DIR: bench_results/peers-<date>)
+#
+# asyncpp against the servers its users would pick instead, on this machine, in one sitting:
+# llama.cpp's llama-server (the GGUF's Q4_1 weights, 2 threads), vLLM CPU at float32 and at
+# bfloat16, and asyncpp's default deployment (configs/default.toml) at the CPU's best ISA level
+# ("asyncpp-auto"), again with model.cpu_isa = "avx2" ("asyncpp-avx2"), and as one stage with two
+# threads ("asyncpp-pp1": pp_size = 1, num_threads = 2), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
+# out, ignore_eos, greedy. Every server is driven over its OpenAI API by the same client
+# ($PEERS/load.py, `vllm bench serve`'s metrics), so asyncpp's figures include its HTTP front end.
+# Prints one table (output tok/s and mean TPOT per server and concurrency) and keeps every run's
+# JSON in OUT_DIR. Needs the peers installed once: $PEERS/setup.sh (about 20 min on 2 cores).
+#
+# env: PEERS (default ../shared/peers next to this checkout), PEERS_DIR (their installs),
+#      PROMPTS_C1=16 PROMPTS_C16=64 PROMPTS_C64=128, SKIP="vllm-float32 ..." to leave servers out.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/peers}
+OUT=${1:-$ROOT/bench_results/peers-$(date +%Y%m%d-%H%M)}
+mkdir -p "$OUT"
+declare -A PROMPTS=([1]=${PROMPTS_C1:-16} [16]=${PROMPTS_C16:-64} [64]=${PROMPTS_C64:-128})
+SKIP=${SKIP:-}
+PY=${PY:-python}
+
+lscpu > "$OUT/cpu.txt"
+
+load() {  # load NAME PORT CONCURRENCY
+  "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
+    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
+    --json-out "$OUT/$1-c$3.json" >/dev/null
+  echo "  $1 c$3: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$OUT/$1-c$3.json")"
+}
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+pid_of() { sed -n 's/.*pid \([0-9]*\).*/\1/p' | head -1; }
+
+if ! skip llamacpp; then
+  for c in 1 16 64; do
+    np=16; ctx=4096; if [ "$c" = 64 ]; then np=64; ctx=16384; fi  # -c is split over the -np slots
+    pid=$(NP=$np CTX=$ctx "$PEERS/start-llamacpp.sh" | tee /dev/stderr | pid_of)
+    load llamacpp 8200 "$c"
+    "$PEERS/stop.sh" "$pid" >/dev/null
+  done
+fi
+
+for dtype in float32 bfloat16; do
+  skip "vllm-$dtype" && continue
+  pid=$(DTYPE=$dtype VLLM_CPU_OMP_THREADS_BIND=0-1 "$PEERS/start-vllm.sh" | tee /dev/stderr | pid_of)
+  for c in 1 16 64; do load "vllm-$dtype" 8100 "$c"; done
+  "$PEERS/stop.sh" "$pid" >/dev/null
+done
+
+for variant in auto avx2 pp1; do
+  skip "asyncpp-$variant" && continue
+  config="$OUT/asyncpp-$variant.toml"
+  case $variant in
+    avx2) sed 's/^cpu_isa = "auto"/cpu_isa = "avx2"/' "$ROOT/configs/default.toml" > "$config" ;;
+    pp1) sed -e 's/^pp_size = 2/pp_size = 1/' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
+    *) cp "$ROOT/configs/default.toml" "$config" ;;
+  esac
+  log="$OUT/asyncpp-$variant.log"
+  (cd "$ROOT" && setsid "$PY" -m asyncpp.launch --config "$config" --http-port 8300 >"$log" 2>&1 &)
+  for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8300/health >/dev/null 2>&1 && break; sleep 1; done
+  grep -m1 "asyncpp ready" "$log" || true
+  for c in 1 16 64; do load "asyncpp-$variant" 8300 "$c"; done
+  pkill -INT -f "asyncpp.launch --config $config" || true
+  for _ in $(seq 1 30); do pgrep -f "asyncpp.launch --config $config" >/dev/null || break; sleep 1; done
+done
+
+"$PY" - "$OUT" <<'PYEOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+servers = ["llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1"]
+rows = []
+for name in servers:
+    cells = []
+    for c in (1, 16, 64):
+        f = out / f"{name}-c{c}.json"
+        if f.exists():
+            d = json.loads(f.read_text())
+            cells.append(f"{d['output_tok_s']:.1f} ({d['tpot_ms_mean']:.1f})")
+        else:
+            cells.append("-")
+    rows.append(f"| {name} | " + " | ".join(cells) + " |")
+print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos:")
+print("| server | c1 | c16 | c64 |\n| --- | ---: | ---: | ---: |")
+print("\n".join(rows))
+(out / "table.md").write_text("\n".join(rows) + "\n")
+PYEOF
