@@ -46,18 +46,21 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* exp(x) for x <= 0: 2^n * p(r) with |r| <= ln2/2 (Cephes polynomial), relative error ~2e-7. */
+/* exp(x) = 2^n * e^r, n = rint(x * log2 e), r = x - n ln2 (ln2 in two parts) with |r| <= ln2/2, and
+ * e^r by a Cephes polynomial. Macros, so that a float and a vector of floats (cpu_vec.h) run the
+ * same operations in the same order (contraction is off: -std=c11) and give the same bits. */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_REDUCE(x, n) ((x) - (n) * 0.693145751953125f - (n) * 1.428606765330187e-06f)
+#define EXP_POLY(r)                                                                                             \
+    ((((((1.9875691500e-4f * (r) + 1.3981999507e-3f) * (r) + 8.3334519073e-3f) * (r) + 4.1665795894e-2f) * (r) + \
+       1.6666665459e-1f) * (r) + 5.0000001201e-1f) * (r) * (r) + (r) + 1.0f)
+
+/* exp(x) for x <= 0 (EXP_*), relative error ~2e-7. */
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const float n = __builtin_rintf(x * EXP_LOG2E);
+    const float r = EXP_REDUCE(x, n);
+    const float p = EXP_POLY(r);
     const int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);

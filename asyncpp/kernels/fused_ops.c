@@ -148,16 +148,10 @@ static inline f32x16 select16(i32x16 mask, f32x16 if_true, f32x16 if_false) {
 static inline f32x16 silu16(f32x16 x) {
     const i32x16 bits = (i32x16)x, abs_bits = bits & 0x7FFFFFFF;
     const f32x16 a = select16((0x42AE0000 /* 87.0f */ - abs_bits) >> 31, splat16(87.0f), (f32x16)abs_bits);
-    const f32x16 v = -a * 1.44269504088896341f; /* exp_nonpositive(-a) from here */
+    const f32x16 v = -a * EXP_LOG2E; /* exp_nonpositive(-a) from here */
     const f32x16 n = (v + 12582912.0f) - 12582912.0f;
-    const f32x16 r = -a - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    f32x16 p = splat16(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    const f32x16 r = EXP_REDUCE(-a, n);
+    const f32x16 p = EXP_POLY(r);
     const f32x16 t = p * (f32x16)((__builtin_convertvector(n, i32x16) + 127) << 23);
     return x * (select16(~(bits >> 31), splat16(1.0f), t) / (1.0f + t));
 }

@@ -41,6 +41,7 @@ _X86_FLAGS = {
 }
 _X86_FLAGS["avx512_bf16"] = _X86_FLAGS["avx512"] + ("-mavx512bf16",)
 _X86_FLAGS["amx"] = _X86_FLAGS["avx512_bf16"]  # the C kernels use no AMX; the level tells torch's oneDNN
+_X86_MACHINES = ("x86_64", "amd64", "AMD64")  # platform.machine() on x86-64 (Linux, BSD, Windows)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class CpuInfo:
 
     @property
     def is_x86(self) -> bool:
-        return self.machine in ("x86_64", "amd64", "AMD64")
+        return self.machine in _X86_MACHINES
 
     def supports(self, level: str) -> bool:
         """Whether this CPU runs every instruction of `level`."""
@@ -127,7 +128,7 @@ def compile_flags(level: str, machine: str | None = None) -> tuple[str, ...]:
     machine = machine or platform.machine()
     if level not in ISA_LEVELS:
         raise ValueError(f"unknown ISA level {level!r}")
-    if machine in ("x86_64", "amd64", "AMD64"):
+    if machine in _X86_MACHINES:
         return _X86_FLAGS[level] + ("-mtune=native",)
     if level != "generic":
         raise ValueError(f"ISA level {level!r} is x86-64 only (this machine is {machine})")

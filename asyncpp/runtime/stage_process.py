@@ -69,7 +69,7 @@ class StageArgs:
     graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured as CUDA graphs (none on CPU)
     max_model_len: int = 0
     isa: str | None = None  # the CPU kernels' ISA level (None: the CPU's best); StageGroup caps torch's too
-    weight_format: str = "float"  # "float" | "native" (the file's quantized blocks, float32 compute)
+    weight_format: str = "float"  # "float" | "native" (the file's blocks, expanded in the kernels), resolved
     kv_connector: ConnectorContext | None = None  # None: no KV connector
     kv_connector_module: str = ""  # imported before the connector is looked up (out-of-tree connectors)
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once

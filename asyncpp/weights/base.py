@@ -63,6 +63,21 @@ class StoredTensor:
         weight = weight.detach().to(torch.float32).contiguous()
         return StoredTensor("f32", weight.view(torch.uint8), tuple(weight.shape), name)
 
+    @staticmethod
+    def from_floats(tensors: dict[str, torch.Tensor]) -> dict[str, "torch.Tensor | StoredTensor"]:
+        """`tensors` with every 2-D float tensor as an `f32` stored tensor; 1-D ones (norms) as they are.
+        One tensor under two names (a tied head) stays one stored tensor, so it is packed once."""
+        stored: dict[int, StoredTensor] = {}
+        out: dict[str, torch.Tensor | StoredTensor] = {}
+        for name, t in tensors.items():
+            if t.dim() != 2:
+                out[name] = t
+            elif id(t) in stored:
+                out[name] = stored[id(t)]
+            else:
+                out[name] = stored[id(t)] = StoredTensor.from_float(t, name)
+        return out
+
     def select_rows(self, order: torch.Tensor) -> "StoredTensor":
         return StoredTensor(self.format, self.rows[order].contiguous(), self.shape, self.name)
 

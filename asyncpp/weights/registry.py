@@ -79,7 +79,7 @@ def load_weights(
     else:
         tensors = loader.load(path_or_name, arch, names)
         if native:
-            tensors = {n: StoredTensor.from_float(t, n) if t.dim() == 2 else t for n, t in tensors.items()}
+            tensors = StoredTensor.from_floats(tensors)
     _check(arch, names, tensors)
     if need_head and arch.tie_word_embeddings:
         tensors[LM_HEAD_NAME] = tensors[EMBED_NAME]

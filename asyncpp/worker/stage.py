@@ -77,10 +77,7 @@ def build_model_slice(
         native=native,
     )
     if qlinear is not None and not native:  # float32 weights through the same batch-invariant kernel
-        stored: dict[int, StoredTensor] = {}  # by tensor identity: a tied head stays the embedding
-        for name, t in tensors.items():
-            if t.dim() == 2:
-                tensors[name] = stored.setdefault(id(t), StoredTensor.from_float(t, name))
+        tensors = StoredTensor.from_floats(tensors)
     model = LlamaModel(arch, start_layer, end_layer)
     model.load_weights(tensors, NativeWeights(qlinear) if qlinear is not None else None)
     del tensors
