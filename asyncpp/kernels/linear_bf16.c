@@ -127,23 +127,37 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
 #endif
 }
 
-/* ---- GGUF blocks (Q8_0, Q4_0, Q4_1) expanded to bfloat16 in the kernel ----
+/* ---- GGUF blocks (Q8_0, Q4_0, Q4_1): bfloat16 activations times the exact quantized weights ----
  *
- * The same products as above on the weight `round_bf16(dequantize(blocks))`, the weight the
- * float path would pack (GGUF's float32 dequantization d * q (+ m), rounded to nearest even),
- * so the two give the same bits; the blocks stay in memory, 3.2x (Q4_1) smaller than bf16.
- * Layout: per BLOCK of 64 columns, per 32-input block b, per panel: [d: 16 x fp16][m: 16 x
- * fp16, Q4_1][values], one row per pair of inputs (2p, 2p + 1), ordered so that dpbf16's
- * operand comes out of one conversion with no shuffle: in the float32 vectors A (columns 0-7)
- * and B (columns 8-15), lane 2c + t is column c (or c + 8), input 2p + t. Q4: 16 rows of 16
- * bytes, byte 2c + t holding A's value in its low nibble and B's in its high one; Q8_0: 16 rows
- * of 32 int8, A's 16 then B's 16. One or a few rows expand each pair in registers; more rows
- * expand a block of columns once into the layout above (an L2 scratch) and run the same tiles
- * on it. */
+ * A GGUF block holds 32 inputs of one output column as small integers q with a float16 scale d
+ * (and, in Q4_1, a float16 offset m): w = d * q (Q8_0: q in -128..127; Q4_0: q - 8 with q in
+ * 0..15) or w = d * q + m (Q4_1). Every q is exact in bfloat16, and so is every product of a
+ * bfloat16 input and a q in float32. So the kernel never forms w: per block it sums x * q with
+ * dpbf16 (exact products, one float32 sum in input order), then adds d times that sum and, for
+ * Q4_1, m times the block's float32 sum of x. The weights are exactly the file's (no bfloat16
+ * rounding of w); only the activations are bfloat16, and the result is rounded to bfloat16 once.
+ *
+ * Expanding q to bfloat16 is cheap: Q4 nibbles index a 32-entry table of bfloat16 integers
+ * (vpermw), Q8_0 goes through float32. Layout, per BLOCK of 64 columns, per 32-input block, per
+ * panel of 16 columns: [d: 16 x fp16][m: 16 x fp16, Q4_1][values]. Values, Q4: 8 chunks of 32
+ * bytes; in chunk r, byte 2c + t holds column c's input 4r + t in its low nibble (pair 2r) and
+ * input 4r + 2 + t in its high one (pair 2r + 1). Q8_0: 16 chunks of 32 int8, byte 2c + t of
+ * chunk p holding column c's input 2p + t. Either way one chunk widens to dpbf16's operand
+ * (dword lane c = column c, inputs of one pair) with no shuffle.
+ *
+ * Rows go in tiles of up to 8; a tile expands the q in registers as it streams a BLOCK (prefetched
+ * into L2 well ahead: one row reads the blocks at DRAM speed), and the next tile finds the BLOCK
+ * in L2. Every output is summed in one order (pairs in order within a block, then d, then m;
+ * blocks in order), so a row's result does not depend on the batch, the tile or the thread
+ * count. */
 
 enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
 #define QK 32
-#define QB_GEMV_ROWS 4 /* up to this many rows expand the weights in registers */
+#define QPAIRS (QK / 2)
+#define QB_TILE_ROWS 8      /* rows per tile */
+#define QB_PREFETCH_AHEAD 12 /* input blocks ahead that the tiles prefetch into L2 (Q4_1: 15 KB, DRAM's latency) */
+
+static int64_t qb_header_bytes(int fmt) { return fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2; }
 
 static int64_t qb_panel_block_bytes(int fmt) {
     switch (fmt) {
@@ -162,13 +176,14 @@ int64_t linear_bf16_q_packed_nbytes(int fmt, int64_t n, int64_t k) {
 
 /* Byte offset, within a panel block's values, of (column `lane`, input j); for Q4 also which nibble. */
 static int64_t qb_value_offset(int fmt, int lane, int j, int *high_nibble) {
-    const int p = j / 2, t = j % 2, c = lane % 8, half = lane / 8; /* half 0: vector A, 1: vector B */
-    *high_nibble = half;
-    if (fmt == QB_Q8_0) return p * 32 + half * 16 + 2 * c + t;
-    return p * 16 + 2 * c + t;
+    const int p = j / 2, t = j % 2;
+    if (fmt == QB_Q8_0) {
+        *high_nibble = 0;
+        return p * 32 + 2 * lane + t;
+    }
+    *high_nibble = p % 2;
+    return p / 2 * 32 + 2 * lane + t;
 }
-
-static int64_t qb_header_bytes(int fmt) { return fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2; }
 
 /* One GGUF block of row r (at `s`) -> its lane of a panel block (`blk`). */
 static void qb_pack_block(int fmt, const uint8_t *s, uint8_t *blk, int lane) {
@@ -228,145 +243,141 @@ void linear_bf16_q_dequant_rows(int fmt, const uint8_t *packed, int64_t k, const
 
 #if HAVE_AVX512_BF16
 
-/* Pair p (inputs 2p, 2p + 1) of a panel block as 16 lanes of bfloat16 pairs, rounded as torch rounds.
- * `d` and `m` are the block's scales spread to vector A's lanes (columns 0-7, each twice) and B's. */
-static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *blk, int p, __m512 da,
-                                                              __m512 db, __m512 ma, __m512 mb) {
-    const uint8_t *values = blk + (fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2);
-    __m512 a, b;
+/* The 32-entry table of Q4 values as bfloat16, indexed by a byte's low 5 bits (entry i: i & 15, or
+ * (i & 15) - 8 for Q4_0), so a whole byte can index it for its low nibble. */
+static __m512i qb_q4_table(int fmt) {
+    uint16_t table[32];
+    for (int i = 0; i < 32; i++) table[i] = narrow((float)((i & 15) - (fmt == QB_Q4_0 ? 8 : 0)));
+    return _mm512_loadu_si512(table);
+}
+
+/* Pair p (inputs 2p, 2p + 1) of a panel block's values as dpbf16's operand; for Q4 the chunk gives
+ * pairs p and p + 1 (p even): the second goes to *next. */
+static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *values, int p,
+                                                              __m512i q4_table, __m512bh *next) {
     if (fmt == QB_Q8_0) {
         const int8_t *q = (const int8_t *)values + p * 32;
-        a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), da);
-        b = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), db);
-    } else {
-        const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(values + p * 16)));
-        /* d * q is exact in float32, so one fma rounds like GGUF's d * q + m; Q4_0's m is -8 d (exact). */
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15))), da, ma);
-        b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4)), db, mb);
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+        return _mm512_cvtne2ps_pbh(b, a); /* elements 0-15 (columns 0-7) from a, 16-31 from b */
     }
-    /* bf16 elements 0-15 from A, 16-31 from B: dword lane i is (column i, inputs 2p and 2p + 1) */
-    return _mm512_cvtne2ps_pbh(b, a);
+    const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(values + p / 2 * 32)));
+    *next = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), q4_table);
+    return (__m512bh)_mm512_permutexvar_epi16(bytes, q4_table);
 }
 
-/* The block's scales d and m (Q4_0: -8 d), spread to vector A's and B's lanes. */
-static inline __attribute__((always_inline)) void qb_scales(const int fmt, const uint8_t *blk, __m512 *da, __m512 *db,
-                                                            __m512 *ma, __m512 *mb) {
-    const __m512i to_a = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i to_b = _mm512_add_epi32(to_a, _mm512_set1_epi32(8));
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-    const __m512 m = fmt == QB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)))
-                                    : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-    *da = _mm512_permutexvar_ps(to_a, d);
-    *db = _mm512_permutexvar_ps(to_b, d);
-    *ma = _mm512_permutexvar_ps(to_a, m);
-    *mb = _mm512_permutexvar_ps(to_b, m);
+static inline __m512bh x_pair(const uint16_t *row, int64_t kp) {
+    uint32_t pair;
+    memcpy(&pair, row + 2 * kp, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32((int)pair);
 }
 
-/* Rows [0, mt) times one BLOCK of columns, expanding each pair in registers (few rows). */
-static inline __attribute__((always_inline)) void qb_gemv_tile(const int fmt, const int mt, const uint16_t *x,
-                                                               int64_t ldx, const uint8_t *wb, int64_t k, uint16_t *y,
-                                                               int64_t ldy, int64_t n0, int64_t n) {
-    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt);
-    __m512 acc[QB_GEMV_ROWS][NB];
+/* Rows [0, mt) times panels [j0, j0 + np) of one BLOCK of columns (`wb`: its packed blocks), over all
+ * of k. `sx`: the rows' per-block sums of x (Q4_1), nb per row. */
+static inline __attribute__((always_inline)) void qb_tile(const int fmt, const int mt, const int np, const int j0,
+                                                          const uint16_t *x, int64_t ldx, const float *sx,
+                                                          const uint8_t *wb, int64_t k, __m512i q4_table, uint16_t *y,
+                                                          int64_t ldy, int64_t n0, int64_t n) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), hdr = qb_header_bytes(fmt);
+    __m512 acc[QB_TILE_ROWS][NB];
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blocks = wb + b * NB * pb;
-        __m512 da[NB], db[NB], ma[NB], mb[NB];
-        for (int j = 0; j < NB; j++) qb_scales(fmt, blocks + j * pb, &da[j], &db[j], &ma[j], &mb[j]);
-        if (b + 2 < nb)
-            for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch((const char *)(blocks + 2 * NB * pb + off), _MM_HINT_T0);
-        for (int p = 0; p < QK / 2; p++) {
-            const int64_t kp = b * QK / 2 + p;
-            for (int j = 0; j < NB; j++) {
-                const __m512bh w = qb_pair(fmt, blocks + j * pb, p, da[j], db[j], ma[j], mb[j]);
-                for (int i = 0; i < mt; i++) {
-                    uint32_t pair;
-                    memcpy(&pair, x + i * ldx + 2 * kp, sizeof pair);
-                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)_mm512_set1_epi32((int)pair), w);
-                }
+        const char *ahead = (const char *)(blocks + QB_PREFETCH_AHEAD * NB * pb); /* may pass the end: a hint */
+        for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+        __m512 part[QB_TILE_ROWS][NB];
+        __m512bh next[NB];
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < np; j++) part[i][j] = _mm512_setzero_ps();
+        for (int p = 0; p < QPAIRS; p++) {
+            const int64_t kp = b * QPAIRS + p;
+            __m512bh w[NB];
+            for (int j = 0; j < np; j++) {
+                if (fmt != QB_Q8_0 && p % 2 == 1) w[j] = next[j];
+                else w[j] = qb_pair(fmt, blocks + (j0 + j) * pb + hdr, p, q4_table, &next[j]);
+            }
+            for (int i = 0; i < mt; i++) {
+                const __m512bh a = x_pair(x + i * ldx, kp);
+                for (int j = 0; j < np; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w[j]);
+            }
+        }
+        for (int j = 0; j < np; j++) {
+            const uint8_t *blk = blocks + (j0 + j) * pb;
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            for (int i = 0; i < mt; i++) acc[i][j] = _mm512_fmadd_ps(d, part[i][j], acc[i][j]);
+            if (fmt == QB_Q4_1) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)));
+                for (int i = 0; i < mt; i++) acc[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), acc[i][j]);
             }
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, acc[i][j]);
+        for (int j = 0; j < np && n0 + (j0 + j) * PANEL < n; j++)
+            store_panel_bf16(y + i * ldy, n0 + (j0 + j) * PANEL, n, acc[i][j]);
 }
 
-#define QB_GEMV_CASE(F, R) \
-    case R: qb_gemv_tile(F, R, x, ldx, wb, k, y, ldy, n0, n); break;
-#define QB_GEMV_FN(F)                                                                                               \
-    static void qb_gemv_##F(int mt, const uint16_t *x, int64_t ldx, const uint8_t *wb, int64_t k, uint16_t *y,     \
-                            int64_t ldy, int64_t n0, int64_t n) {                                                  \
-        switch (mt) { QB_GEMV_CASE(F, 1) QB_GEMV_CASE(F, 2) QB_GEMV_CASE(F, 3) QB_GEMV_CASE(F, 4) }                 \
+/* Up to QB_TILE_ROWS rows times one BLOCK: 4 panels at once for 1-2 rows, 2 for 3-4, 1 for 5-8
+ * (the accumulators stay in registers). */
+#define QB_TILE_CASE(F, R, NP)                                                                      \
+    case R:                                                                                         \
+        for (int j0 = 0; j0 < NB; j0 += NP) qb_tile(F, R, NP, j0, x, ldx, sx, wb, k, t, y, ldy, n0, n); \
+        break;
+#define QB_TILE_FN(F)                                                                                             \
+    static void qb_tile_##F(int mt, const uint16_t *x, int64_t ldx, const float *sx, const uint8_t *wb,          \
+                            int64_t k, __m512i t, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {             \
+        switch (mt) {                                                                                             \
+            QB_TILE_CASE(F, 1, 4) QB_TILE_CASE(F, 2, 4) QB_TILE_CASE(F, 3, 2) QB_TILE_CASE(F, 4, 2)               \
+            QB_TILE_CASE(F, 5, 1) QB_TILE_CASE(F, 6, 1) QB_TILE_CASE(F, 7, 1) QB_TILE_CASE(F, 8, 1)               \
+        }                                                                                                         \
     }
-QB_GEMV_FN(QB_Q8_0)
-QB_GEMV_FN(QB_Q4_0)
-QB_GEMV_FN(QB_Q4_1)
+QB_TILE_FN(QB_Q8_0)
+QB_TILE_FN(QB_Q4_0)
+QB_TILE_FN(QB_Q4_1)
 
-/* One BLOCK of columns expanded into linear_bf16_pack's layout ([NB panels][k / 2 pairs][16][2]). */
-static inline __attribute__((always_inline)) void qb_expand(const int fmt, const uint8_t *wb, int64_t k,
-                                                            uint16_t *dst) {
-    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), panel_stride = k * PANEL;
-    for (int64_t b = 0; b < nb; b++)
-        for (int j = 0; j < NB; j++) {
-            const uint8_t *blk = wb + (b * NB + j) * pb;
-            __m512 da, db, ma, mb;
-            qb_scales(fmt, blk, &da, &db, &ma, &mb);
-            for (int p = 0; p < QK / 2; p++)
-                _mm512_storeu_si512(dst + j * panel_stride + (b * QK / 2 + p) * 2 * PANEL,
-                                    (__m512i)qb_pair(fmt, blk, p, da, db, ma, mb));
+/* sx [m, k / 32]: each row's float32 sum of x over each 32-input block (one fixed order). */
+static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, float *sx) {
+    const int64_t nb = k / QK;
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i h = _mm512_loadu_si512(x + i * ldx + b * QK);
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
+            sx[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
-}
-
-static void qb_expand_any(int fmt, const uint8_t *wb, int64_t k, uint16_t *dst) {
-    if (fmt == QB_Q8_0) qb_expand(QB_Q8_0, wb, k, dst);
-    else if (fmt == QB_Q4_0) qb_expand(QB_Q4_0, wb, k, dst);
-    else qb_expand(QB_Q4_1, wb, k, dst);
 }
 
 #endif
 
 /* y [m, n] bf16 = x [m, k] bf16 @ w^T, w packed by linear_bf16_q_pack. Returns 0, -1 without AVX512-BF16,
- * -2 when scratch memory could not be allocated. */
+ * -2 when memory for the block sums could not be allocated. */
 int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n, int64_t k,
                   uint16_t *y, int64_t ldy, int num_threads) {
 #if HAVE_AVX512_BF16
     const int64_t num_blocks = (n + BLOCK - 1) / BLOCK, block_bytes = NB * (k / QK) * qb_panel_block_bytes(fmt);
     if (m <= 0) return 0;
-    if (m <= QB_GEMV_ROWS) {
+    const __m512i table = qb_q4_table(fmt);
+    const int64_t nb = k / QK;
+    float *sx = NULL;
+    if (fmt == QB_Q4_1) {
+        sx = malloc(sizeof(float) * (size_t)(m * nb));
+        if (sx == NULL) return -2;
+        qb_block_sums(x, ldx, m, k, sx);
+    }
+    const int64_t num_tiles = (m + QB_TILE_ROWS - 1) / QB_TILE_ROWS;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            const uint8_t *wb = packed + b * block_bytes;
-            if (fmt == QB_Q8_0) qb_gemv_QB_Q8_0((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
-            else if (fmt == QB_Q4_0) qb_gemv_QB_Q4_0((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
-            else qb_gemv_QB_Q4_1((int)m, x, ldx, wb, k, y, ldy, b * BLOCK, n);
+    for (int64_t b = 0; b < num_blocks; b++) {
+        const uint8_t *wb = packed + b * block_bytes;
+        for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
+            const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
+            const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
+            if (fmt == QB_Q8_0) qb_tile_QB_Q8_0((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+            else if (fmt == QB_Q4_0) qb_tile_QB_Q4_0((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+            else qb_tile_QB_Q4_1((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
         }
-        return 0;
     }
-    int status = 0;
-#pragma omp parallel num_threads(num_threads > 1 && num_blocks > 1 ? num_threads : 1)
-    {
-        uint16_t *scratch = aligned_alloc(64, (size_t)(BLOCK * k) * sizeof(uint16_t)); /* one BLOCK, expanded */
-        if (scratch == NULL) {
-#pragma omp atomic write
-            status = -2;
-        }
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            if (scratch == NULL) continue;
-            qb_expand_any(fmt, packed + b * block_bytes, k, scratch);
-            for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
-                const int64_t rows = m - m0 < MCHUNK ? m - m0 : MCHUNK, num_tiles = (rows + MT - 1) / MT;
-                for (int64_t t = 0; t < num_tiles; t++) {
-                    const int64_t i0 = m0 + t * rows / num_tiles, i1 = m0 + (t + 1) * rows / num_tiles;
-                    any_tile(x + i0 * ldx, ldx, (int)(i1 - i0), scratch, NULL, k, t, num_tiles, y + i0 * ldy, ldy,
-                             b * BLOCK, n);
-                }
-            }
-        }
-        free(scratch);
-    }
-    return status;
+    free(sx);
+    return 0;
 #else
     (void)fmt, (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)ldy, (void)num_threads;
     return -1;

@@ -61,8 +61,8 @@ class Bf16Linear:
     def linear_blocks(
         self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` bfloat16, the same bits as `linear` on the
-        bfloat16-rounded dequantized weight (written into `out`, a column slice maybe, when given)."""
+        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` bfloat16: the inputs times the exact
+        dequantized weight, float32 sums rounded once (written into `out`, a column slice maybe, when given)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
@@ -103,9 +103,8 @@ _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 
 class Bf16NativeKernel:
     """Stored-format weights (`weight_format = "native"`) for bfloat16 activations, with
-    `QLinearKernel`'s interface: GGUF blocks expanded in the kernel (`linear_blocks`), float
-    formats rounded to bfloat16 once and packed as usual. Either way the numbers are those of
-    the float path's bfloat16 weights."""
+    `QLinearKernel`'s interface: GGUF blocks multiplied exactly in the kernel (`linear_blocks`),
+    float formats rounded to bfloat16 once and packed as usual (the float path's numbers)."""
 
     dtype = torch.bfloat16
 

@@ -4,9 +4,8 @@
 float16, float32, ...; `asyncpp.weights.base.StoredTensor`) packed for its
 kernel, and multiplies activations of the kernel's dtype with it: float32
 through `asyncpp.kernels.qlinear`, bfloat16 (on CPUs with AVX512-BF16)
-through `asyncpp.kernels.linear_bf16`'s block variant, whose numbers are the
-float path's bfloat16 weights'. A layer
-made of several source tensors (q/k/v, gate/up) keeps one packed weight per
+through `asyncpp.kernels.linear_bf16`'s block variant (bfloat16 inputs times
+the file's exact weights). A layer made of several source tensors (q/k/v, gate/up) keeps one packed weight per
 run of parts of the same format and writes each run's outputs into its columns
 of one output tensor, so a file that stores v in Q8_0 and q/k in Q4_1 still
 needs no float copy.

@@ -49,7 +49,7 @@ def build_model_slice(
     `weight_format`: "float" dequantizes to `dtype` at load; "native" keeps the
     file's format (GGUF blocks, float16, ...) and computes in float32 through
     `asyncpp.kernels.qlinear`, or in bfloat16 (AVX512-BF16) through
-    `linear_bf16`'s block variant, with the float path's bfloat16 numbers."""
+    `linear_bf16`'s block variant (bfloat16 inputs times the exact weights)."""
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
     native = weight_format == "native"
