@@ -145,16 +145,17 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
  * chunk p holding column c's input 2p + t. Either way one chunk widens to dpbf16's operand
  * (dword lane c = column c, inputs of one pair) with no shuffle.
  *
- * Rows go in tiles of up to 8; a tile expands the q in registers as it streams a BLOCK (prefetched
- * into L2 well ahead: one row reads the blocks at DRAM speed), and the next tile finds the BLOCK
- * in L2. Every output is summed in one order (pairs in order within a block, then d, then m;
- * blocks in order), so a row's result does not depend on the batch, the tile or the thread
- * count. */
+ * Rows go in tiles of up to 8 (Q8_0, whose expansion costs more: 12); a tile expands the q in
+ * registers as it streams a BLOCK (prefetched into L2 well ahead: one row reads the blocks at
+ * DRAM speed), and the next tile finds the BLOCK in L2. Every output is summed in one order
+ * (pairs in order within a block, then d, then m; blocks in order), so a row's result does not
+ * depend on the batch, the tile or the thread count. */
 
 enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
 #define QK 32
 #define QPAIRS (QK / 2)
-#define QB_TILE_ROWS 8      /* rows per tile */
+#define QB_TILE_ROWS 12     /* rows per tile at most: Q8_0 (its expansion costs more, so more rows share it) */
+#define QB_TILE_ROWS_Q4 8   /* rows per tile for Q4 (more spill registers) */
 #define QB_PREFETCH_AHEAD 12 /* input blocks ahead that the tiles prefetch into L2 (Q4_1: 15 KB, DRAM's latency) */
 
 static int64_t qb_header_bytes(int fmt) { return fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2; }
@@ -317,7 +318,7 @@ static inline __attribute__((always_inline)) void qb_tile(const int fmt, const i
             store_panel_bf16(y + i * ldy, n0 + (j0 + j) * PANEL, n, acc[i][j]);
 }
 
-/* Up to QB_TILE_ROWS rows times one BLOCK: 4 panels at once for 1-2 rows, 2 for 3-4, 1 for 5-8
+/* Up to QB_TILE_ROWS rows times one BLOCK: 4 panels at once for 1-2 rows, 2 for 3-4, 1 for 5-12
  * (the accumulators stay in registers). */
 #define QB_TILE_CASE(F, R, NP)                                                                      \
     case R:                                                                                         \
@@ -329,6 +330,7 @@ static inline __attribute__((always_inline)) void qb_tile(const int fmt, const i
         switch (mt) {                                                                                             \
             QB_TILE_CASE(F, 1, 4) QB_TILE_CASE(F, 2, 4) QB_TILE_CASE(F, 3, 2) QB_TILE_CASE(F, 4, 2)               \
             QB_TILE_CASE(F, 5, 1) QB_TILE_CASE(F, 6, 1) QB_TILE_CASE(F, 7, 1) QB_TILE_CASE(F, 8, 1)               \
+            QB_TILE_CASE(F, 9, 1) QB_TILE_CASE(F, 10, 1) QB_TILE_CASE(F, 11, 1) QB_TILE_CASE(F, 12, 1)           \
         }                                                                                                         \
     }
 QB_TILE_FN(QB_Q8_0)
@@ -364,7 +366,8 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
         if (sx == NULL) return -2;
         qb_block_sums(x, ldx, m, k, sx);
     }
-    const int64_t num_tiles = (m + QB_TILE_ROWS - 1) / QB_TILE_ROWS;
+    const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS : QB_TILE_ROWS_Q4;
+    const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *wb = packed + b * block_bytes;
