@@ -1,22 +1,34 @@
-/* Paged decode attention on CPU: one query token per request, keys read in place.
+/* Paged decode attention on CPU: one query token per row, keys read in place.
  *
- * For every (request, kv head) pair, the G = num_heads / num_kv_heads query
- * heads that share the kv head are computed together, so each key and value
- * row is loaded and widened once for G heads. Keys and values are read
+ * A row (one query token) is computed whole by one thread, all its heads
+ * together, in two passes over its context, 16 positions (a tile) at a time:
+ * pass 1 scores every key for every head, pass 2, after the softmax
+ * numerators, sums the values weighted by them. Keys and values are read
  * straight from the paged cache through the block table: no gather copy, no
  * padding, no mask. Arithmetic is float32 in 16-lane vectors (GCC vector
  * extensions, lowered to whatever SIMD the machine has) whatever the cache
  * dtype; bfloat16 is widened on load and rounded to nearest even on store,
  * as torch does.
  *
- * Scores are computed 16 keys at a time and their lane sums reduced together
- * (`hsum16`, the same sums as one key at a time would give). A step reads every layer's
- * cache once, so the rows are mostly cold: the K and V rows a few positions
- * ahead, and the first rows of the next (request, kv head), are prefetched
- * (2.4x faster than without on a cold 64-request step here).
+ * Memory: a step reads every layer's cache once, so a row's K and V rows are
+ * mostly cold, and reading them is most of the cost. A tile's slots are
+ * read whole (all kv heads: one slot is contiguous), each kv head's G =
+ * num_heads / num_kv_heads query heads computed together so a key or value
+ * row is widened once for G heads. Each pass streams one cache and requests
+ * the next one the thread needs into the cache hierarchy: pass 1 reads the
+ * tile's K slots and prefetches its V slots; pass 2 reads the V slots and
+ * prefetches the K slots of the thread's next row (its next row is known:
+ * each thread takes a contiguous range of rows, balanced by context length).
+ * `python -m asyncpp.bench.attention` times a cold stage step (1.4x faster
+ * than one (request, kv head) per work item, K then V, prefetched 16
+ * positions ahead, with the same results bit for bit).
  *
- * Each (request, kv head) is computed by one thread in a fixed order, so a
- * request's result never depends on the rest of the batch.
+ * Arithmetic, per head: a key's score is the lane sums of q * k over the
+ * 16-lane chunks of the head, added chunk after chunk, reduced by a tree of
+ * halves (`hsum16`, 16 keys at once); the softmax numerators exp(s - max)
+ * and their sum; then the values, weighted, added position after position,
+ * times 1 / sum. The order is fixed per row, so a row's result never depends
+ * on the rest of the batch or on the number of threads.
  *
  * Layouts (element strides, innermost dimension contiguous):
  *   q, out        [num_tokens, num_heads, head_dim], token stride given
@@ -28,6 +40,7 @@
  */
 
 #include <float.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,9 +50,9 @@
 
 #define MAX_CHUNKS 16 /* head_dim / LANES */
 #define MAX_GROUP 16
-#define PREFETCH_ROWS 16 /* positions ahead */
 
 static const f32x16 ZERO = {0};
+static const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* Store x as elements [i, i + 16) of a float32 or bfloat16 row (bfloat16 rounded to nearest even). */
 static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
@@ -77,102 +90,218 @@ static inline f32x16 hsum16(const f32x16 v[LANES]) {
     return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-/* Walks positions 0, 1, 2, ... through the block table without a division per position. */
-struct slot_cursor {
-    int64_t block, offset;
+/* The shapes of one call. */
+struct layer {
+    const char *k_cache, *v_cache;
+    int64_t num_kv_heads, head_bytes, slot_bytes, block_size; /* slot_bytes: all kv heads of one slot */
+    int dtype;
+    float scale;
 };
 
-/* The cache slot of the cursor's position, then advance the cursor by one position. */
-static inline int64_t next_slot(const int64_t *blocks, int64_t block_size, struct slot_cursor *cur) {
-    const int64_t slot = blocks[cur->block] * block_size + cur->offset;
-    if (++cur->offset == block_size) {
-        cur->offset = 0;
-        cur->block++;
+/* The rows of one call, as the caller passes them. */
+struct batch {
+    const char *q;
+    char *out;
+    int64_t q_stride, out_stride, elem; /* token strides in elements; bytes per element */
+    const int64_t *rows, *block_table, *context_lens;
+    int64_t block_table_stride;
+};
+
+/* One row: its query and output heads, its blocks, its context length. */
+struct row {
+    const char *q;
+    char *out;
+    const int64_t *blocks;
+    int64_t ctx;
+};
+
+static inline struct row row_at(const struct batch *B, int64_t i) {
+    return (struct row){B->q + B->rows[i] * B->q_stride * B->elem, B->out + B->rows[i] * B->out_stride * B->elem,
+                        B->block_table + i * B->block_table_stride, B->context_lens[i]};
+}
+
+/* Per-thread scratch for one row of `num_heads` heads and up to `stride` positions. */
+struct scratch {
+    float *scores;     /* [num_heads][stride]: scores, then softmax numerators */
+    float *q;          /* [num_heads][head_dim]: the scaled query */
+    f32x16 *acc;       /* [num_heads][chunks]: the weighted value sums */
+    f32x16 *max_score; /* [num_heads]: per lane, the largest score so far */
+    float *denom;      /* [num_heads]: the sum of the softmax numerators */
+    int64_t stride;
+};
+
+/* The positions in tile t (positions [16t, 16t + 16)) of a row of ctx positions. */
+static inline int tile_size(int64_t ctx, int64_t t) { return ctx - t * LANES < LANES ? (int)(ctx - t * LANES) : LANES; }
+
+/* The byte offsets in the cache of the n first positions of tile t of a row with these blocks. */
+static inline void tile_offsets(const struct layer *L, const int64_t *blocks, int64_t t, int n, int64_t off[LANES]) {
+    int64_t block = t * LANES / L->block_size, offset = t * LANES % L->block_size;
+    for (int j = 0; j < n; j++) {
+        off[j] = (blocks[block] * L->block_size + offset) * L->slot_bytes;
+        if (++offset == L->block_size) {
+            offset = 0;
+            block++;
+        }
     }
-    return slot;
 }
 
-/* Request the K and V rows at byte `offset` (`bytes` long) into the cache hierarchy. */
-static inline void prefetch_rows(const char *k_cache, const char *v_cache, int64_t offset, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) {
-        __builtin_prefetch(k_cache + offset + b, 0, 3);
-        __builtin_prefetch(v_cache + offset + b, 0, 3);
+/* Request `bytes` at p into L2 (what a thread requests is read up to a row later, which L1 would not keep:
+ * into L1, the step of `asyncpp.bench.attention` took 1.35x as long). */
+static inline void prefetch(const char *p, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
+/* Request the K slots of a row's tiles [first, last). */
+static inline void prefetch_keys(const struct layer *L, const struct row *r, int64_t first, int64_t last) {
+    int64_t off[LANES];
+    for (int64_t t = first; t < last; t++) {
+        const int n = tile_size(r->ctx, t);
+        tile_offsets(L, r->blocks, t, n, off);
+        for (int j = 0; j < n; j++) prefetch(L->k_cache + off[j], L->slot_bytes);
     }
 }
 
-/* Request the first PREFETCH_ROWS K and V rows of one (request, kv head); `ahead` ends past them. */
-static inline void prefetch_first_rows(const char *k_cache, const char *v_cache, const int64_t *blocks, int64_t ctx,
-                                       int64_t kv_row_bytes, int64_t head_bytes, int64_t block_size,
-                                       struct slot_cursor *ahead) {
-    for (int64_t pos = 0; pos < ctx && pos < PREFETCH_ROWS; pos++)
-        prefetch_rows(k_cache, v_cache, next_slot(blocks, block_size, ahead) * kv_row_bytes, head_bytes);
-}
+/* The slots of a tile to request while another is computed: at `base` + off[j], j < n. */
+struct ahead {
+    const char *base;
+    const int64_t *off;
+    int n;
+};
 
-/* One (request, kv head): `group` query heads of `chunks` * 16 lanes each. */
-static inline __attribute__((always_inline)) void attend(
-    const char *q, const char *k_cache, const char *v_cache, char *out, const int64_t *blocks, int64_t ctx,
-    int64_t kv_row_bytes, int64_t block_size, int dtype, float scale, float *restrict scores, const int group,
-    const int chunks) {
-    f32x16 qv[MAX_GROUP][MAX_CHUNKS], acc[MAX_GROUP][MAX_CHUNKS];
+/* Pass 1 for one kv head and one tile of n keys (at `k_head` + off[j]): the scores of its `group` heads,
+ * head g's stored at scores[g * stride], and their per-lane maxima. This kv head's part of the slots in
+ * `pf` (`pf_head`: its offset) is requested meanwhile. */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *q, const char *k_head, const int64_t off[LANES], int n, const struct ahead *pf, int64_t pf_head,
+    int dtype, float *scores, int64_t stride, f32x16 *max_score, const int group, const int chunks) {
     const int64_t head_bytes = (int64_t)chunks * LANES * (dtype == DTYPE_BF16 ? 2 : 4);
+    f32x16 qv[MAX_GROUP][MAX_CHUNKS], s[MAX_GROUP][LANES];
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) {
-            qv[g][c] = load16(q + g * head_bytes, c * LANES, dtype) * scale;
-            acc[g][c] = ZERO;
-        }
-    /* Pass 1: every key's score for the group's heads; head g's scores start at g * ctx.
-     * The cache rows are mostly cold (a step reads every layer's cache once), so the K and V rows
-     * PREFETCH_ROWS positions ahead are requested while this one is computed. */
-    float max_score[MAX_GROUP];
-    for (int g = 0; g < group; g++) max_score[g] = -FLT_MAX;
-    struct slot_cursor cursor = {0, 0}, ahead = {0, 0};
-    prefetch_first_rows(k_cache, v_cache, blocks, ctx, kv_row_bytes, head_bytes, block_size, &ahead);
-    for (int64_t pos0 = 0; pos0 < ctx; pos0 += LANES) { /* a tile of up to 16 keys */
-        const int n = ctx - pos0 < LANES ? (int)(ctx - pos0) : LANES;
-        f32x16 s[MAX_GROUP][LANES];
-        for (int j = 0; j < LANES; j++) {
+        for (int c = 0; c < chunks; c++) memcpy(&qv[g][c], q + (g * chunks + c) * LANES, sizeof(f32x16));
+    for (int j = 0; j < LANES; j++) {
+        if (j < pf->n) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
+        if (j >= n) {
             for (int g = 0; g < group; g++) s[g][j] = ZERO;
-            if (j >= n) continue;
-            if (pos0 + j + PREFETCH_ROWS < ctx)
-                prefetch_rows(k_cache, v_cache, next_slot(blocks, block_size, &ahead) * kv_row_bytes, head_bytes);
-            const char *k_row = k_cache + next_slot(blocks, block_size, &cursor) * kv_row_bytes;
-            for (int c = 0; c < chunks; c++) {
-                const f32x16 k = load16(k_row, c * LANES, dtype);
-                for (int g = 0; g < group; g++) s[g][j] += qv[g][c] * k;
-            }
+            continue;
         }
-        for (int g = 0; g < group; g++) {
-            const f32x16 sg = hsum16(s[g]);
-            float *dst = scores + g * ctx + pos0;
-            for (int j = 0; j < n; j++) {
-                dst[j] = sg[j];
-                max_score[g] = sg[j] > max_score[g] ? sg[j] : max_score[g];
-            }
+        const f32x16 k0 = load16(k_head + off[j], 0, dtype);
+        for (int g = 0; g < group; g++) s[g][j] = qv[g][0] * k0;
+        for (int c = 1; c < chunks; c++) {
+            const f32x16 k = load16(k_head + off[j], c * LANES, dtype);
+            for (int g = 0; g < group; g++) s[g][j] += qv[g][c] * k;
         }
     }
-    /* Softmax numerators. */
-    float denom[MAX_GROUP];
+    const i32x16 valid = LANE_INDEX < (i32x16){0} + n;
     for (int g = 0; g < group; g++) {
-        float *sg = scores + g * ctx, sum = 0.0f;
-        const float m = max_score[g];
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < ctx; pos++) {
-            sg[pos] = exp_nonpositive(sg[pos] - m);
-            sum += sg[pos];
-        }
-        denom[g] = sum;
+        const f32x16 sg = hsum16(s[g]);
+        memcpy(scores + g * stride, &sg, sizeof sg);
+        const i32x16 larger = (sg > max_score[g]) & valid;
+        max_score[g] = (f32x16)(((i32x16)sg & larger) | ((i32x16)max_score[g] & ~larger));
     }
-    /* Pass 2: the weighted sum of values. */
-    cursor = (struct slot_cursor){0, 0};
-    for (int64_t pos = 0; pos < ctx; pos++) {
-        const char *v_row = v_cache + next_slot(blocks, block_size, &cursor) * kv_row_bytes;
-        for (int c = 0; c < chunks; c++) {
-            const f32x16 v = load16(v_row, c * LANES, dtype);
-            for (int g = 0; g < group; g++) acc[g][c] += scores[g * ctx + pos] * v;
-        }
-    }
+}
+
+/* Pass 2 for one kv head and one tile of n value rows (at `v_head` + off[j]): acc[g][c] += w * v for its
+ * `group` heads, head g's weights at weights[g * stride]. This kv head's part of the slots in `pf` is
+ * requested meanwhile. */
+static inline __attribute__((always_inline)) void value_tile(
+    const float *weights, int64_t stride, const char *v_head, const int64_t off[LANES], int n,
+    const struct ahead *pf, int64_t pf_head, int dtype, f32x16 *acc, const int group, const int chunks) {
+    const int64_t head_bytes = (int64_t)chunks * LANES * (dtype == DTYPE_BF16 ? 2 : 4);
+    f32x16 a[MAX_GROUP][MAX_CHUNKS];
     for (int g = 0; g < group; g++)
-        for (int c = 0; c < chunks; c++) store16(out + g * head_bytes, c * LANES, dtype, acc[g][c] * (1.0f / denom[g]));
+        for (int c = 0; c < chunks; c++) a[g][c] = acc[g * chunks + c];
+    for (int j = 0; j < n; j++) {
+        if (j < pf->n) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
+        for (int c = 0; c < chunks; c++) {
+            const f32x16 v = load16(v_head + off[j], c * LANES, dtype);
+            for (int g = 0; g < group; g++) a[g][c] += weights[g * stride + j] * v;
+        }
+    }
+    for (int j = n; j < pf->n; j++) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
+    for (int g = 0; g < group; g++)
+        for (int c = 0; c < chunks; c++) acc[g * chunks + c] = a[g][c];
+}
+
+/* Replace one head's scores by exp(score - max) and return their sum (max: the largest lane). */
+static inline float softmax_numerators(float *scores, int64_t ctx, f32x16 max_lanes) {
+    float m = -FLT_MAX, sum = 0.0f;
+    for (int l = 0; l < LANES; l++) m = max_lanes[l] > m ? max_lanes[l] : m;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t pos = 0; pos < ctx; pos++) {
+        scores[pos] = exp_nonpositive(scores[pos] - m);
+        sum += scores[pos];
+    }
+    return sum;
+}
+
+/* One row, all heads: `group` query heads per kv head, `chunks` * 16 lanes each. `next` is the row this
+ * thread computes next (NULL if none): its K slots are requested during pass 2. */
+static inline __attribute__((always_inline)) void attend_row(const struct layer *L, const struct row *r,
+                                                             const struct row *next, const struct scratch *S,
+                                                             const int group, const int chunks) {
+    const int64_t ctx = r->ctx, head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
+    const int64_t tiles = (ctx + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
+    for (int64_t h = 0; h < num_heads; h++) {
+        for (int c = 0; c < chunks; c++) {
+            const f32x16 qv = load16(r->q + h * L->head_bytes, c * LANES, L->dtype) * L->scale;
+            memcpy(S->q + h * head_dim + c * LANES, &qv, sizeof qv);
+            S->acc[h * chunks + c] = ZERO;
+        }
+        S->max_score[h] = ZERO - FLT_MAX;
+    }
+    int64_t off[LANES], next_off[LANES];
+    struct ahead pf;
+    /* Pass 1: scores; this tile's V slots are requested for pass 2. */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int n = tile_size(ctx, t);
+        tile_offsets(L, r->blocks, t, n, off);
+        pf = (struct ahead){L->v_cache, off, n};
+        for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
+            score_tile(S->q + kvh * group * head_dim, L->k_cache + kvh * L->head_bytes, off, n, &pf,
+                       kvh * L->head_bytes, L->dtype, S->scores + kvh * group * S->stride + t * LANES, S->stride,
+                       S->max_score + kvh * group, group, chunks);
+    }
+    for (int64_t h = 0; h < num_heads; h++)
+        S->denom[h] = softmax_numerators(S->scores + h * S->stride, ctx, S->max_score[h]);
+    /* Pass 2: the weighted sum of values; the K slots of the thread's next row are requested. */
+    for (int64_t t = 0; t < tiles; t++) {
+        const int n = tile_size(ctx, t);
+        tile_offsets(L, r->blocks, t, n, off);
+        pf = (struct ahead){L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
+        if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
+        for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
+            value_tile(S->scores + kvh * group * S->stride + t * LANES, S->stride, L->v_cache + kvh * L->head_bytes,
+                       off, n, &pf, kvh * L->head_bytes, L->dtype, S->acc + kvh * group * chunks, group, chunks);
+    }
+    if (tiles < next_tiles) prefetch_keys(L, next, tiles, next_tiles);
+    for (int64_t h = 0; h < num_heads; h++)
+        for (int c = 0; c < chunks; c++)
+            store16(r->out + h * L->head_bytes, c * LANES, L->dtype, S->acc[h * chunks + c] * (1.0f / S->denom[h]));
+}
+
+/* The first of the rows thread t of nt takes: rows are split in contiguous ranges of about equal cost. */
+static int64_t first_row(const int64_t *context_lens, int64_t num_reqs, int t, int nt) {
+    int64_t total = 0, before = 0;
+    for (int64_t i = 0; i < num_reqs; i++) total += context_lens[i] + LANES; /* + LANES: a row's own cost */
+    for (int64_t i = 0; i < num_reqs; i++) {
+        if (before * nt >= total * t) return i;
+        before += context_lens[i] + LANES;
+    }
+    return num_reqs;
+}
+
+/* Per-thread scratch for rows of up to `max_ctx` positions; scores == NULL if it could not be allocated. */
+static struct scratch scratch_alloc(int64_t num_heads, int64_t chunks, int64_t max_ctx) {
+    struct scratch S = {.stride = (max_ctx + LANES - 1) / LANES * LANES};
+    const int64_t vectors = num_heads * (S.stride / LANES + 2 * chunks + 1) + (num_heads + LANES - 1) / LANES;
+    float *base = aligned_alloc(sizeof(f32x16), vectors * sizeof(f32x16));
+    if (base == NULL) return S;
+    S.scores = base;
+    S.q = S.scores + num_heads * S.stride;
+    S.acc = (f32x16 *)(S.q + num_heads * chunks * LANES);
+    S.max_score = S.acc + num_heads * chunks;
+    S.denom = (float *)(S.max_score + num_heads);
+    return S;
 }
 
 /* Returns 0, or 1 for shapes this kernel does not take, 2 when scratch memory could not be allocated. */
@@ -185,44 +314,39 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
     if (group < 1 || group > MAX_GROUP || group * num_kv_heads != num_heads || head_dim % LANES != 0 ||
         chunks > MAX_CHUNKS)
         return 1;
-    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4, head_bytes = head_dim * elem;
+    const int64_t elem = dtype == DTYPE_BF16 ? 2 : 4;
+    const struct layer L = {k_cache, v_cache, num_kv_heads, head_dim * elem, num_heads / group * head_dim * elem,
+                            block_size, dtype, scale};
+    const struct batch B = {q, out, q_token_stride, out_token_stride, elem, rows, block_table, context_lens,
+                            block_table_stride};
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * group * (max_context_len > 0 ? max_context_len : 1));
-        if (scores == NULL) {
+        const struct scratch S = scratch_alloc(num_heads, chunks, max_context_len > 0 ? max_context_len : 1);
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t first = first_row(context_lens, num_reqs, t, nt);
+        const int64_t end = t + 1 == nt ? num_reqs : first_row(context_lens, num_reqs, t + 1, nt);
+        if (S.scores == NULL) {
 #pragma omp atomic write
             status = 2;
+        } else if (first < end) {
+            const struct row r = row_at(&B, first);
+            prefetch_keys(&L, &r, 0, (r.ctx + LANES - 1) / LANES);
         }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < num_reqs * num_kv_heads; item++) {
-            if (scores == NULL) continue;
-            const int64_t req = item / num_kv_heads, kvh = item % num_kv_heads;
-            const char *q_heads = (const char *)q + rows[req] * q_token_stride * elem + kvh * group * head_bytes;
-            char *out_heads = (char *)out + rows[req] * out_token_stride * elem + kvh * group * head_bytes;
-            const char *k = (const char *)k_cache + kvh * head_bytes, *v = (const char *)v_cache + kvh * head_bytes;
-            const int64_t *blocks = block_table + req * block_table_stride;
-            const int64_t ctx = context_lens[req], row_bytes = num_kv_heads * head_bytes;
-            if (item + 1 < num_reqs * num_kv_heads) { /* this thread's likely next item: its first rows */
-                const int64_t next_req = (item + 1) / num_kv_heads, next_kvh = (item + 1) % num_kv_heads;
-                struct slot_cursor next = {0, 0};
-                prefetch_first_rows((const char *)k_cache + next_kvh * head_bytes,
-                                    (const char *)v_cache + next_kvh * head_bytes,
-                                    block_table + next_req * block_table_stride, context_lens[next_req], row_bytes,
-                                    head_bytes, block_size, &next);
-            }
+        for (int64_t i = first; i < end && S.scores != NULL; i++) {
+            const struct row r = row_at(&B, i), next = row_at(&B, i + 1 < end ? i + 1 : i);
+            const struct row *nx = i + 1 < end ? &next : NULL;
             /* Constant shapes let the compiler keep the accumulators in registers. */
             if (group == 3 && chunks == 4)
-                attend(q_heads, k, v, out_heads, blocks, ctx, row_bytes, block_size, dtype, scale, scores, 3, 4);
+                attend_row(&L, &r, nx, &S, 3, 4);
             else if (group == 4 && chunks == 4)
-                attend(q_heads, k, v, out_heads, blocks, ctx, row_bytes, block_size, dtype, scale, scores, 4, 4);
+                attend_row(&L, &r, nx, &S, 4, 4);
             else if (group == 2 && chunks == 1)
-                attend(q_heads, k, v, out_heads, blocks, ctx, row_bytes, block_size, dtype, scale, scores, 2, 1);
+                attend_row(&L, &r, nx, &S, 2, 1);
             else
-                attend(q_heads, k, v, out_heads, blocks, ctx, row_bytes, block_size, dtype, scale, scores,
-                       (int)group, (int)chunks);
+                attend_row(&L, &r, nx, &S, (int)group, (int)chunks);
         }
-        free(scores);
+        free(S.scores);
     }
     return status;
 }

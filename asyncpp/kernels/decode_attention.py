@@ -40,8 +40,11 @@ def decode_attention_kernel(
     if torch.device(device).type != "cpu" or dtype not in VEC_DTYPE_CODES or not supported:
         return None
     lib = load_kernel_library("decode_attention", isa or native_level())
-    if lib is None:
-        return None
+    return None if lib is None else wrap_library(lib, dtype)
+
+
+def wrap_library(lib: ctypes.CDLL, dtype: torch.dtype) -> DecodeAttention:
+    """The callable over a loaded build of `decode_attention.c` (`asyncpp.bench.attention` loads others)."""
     fn = lib.decode_attention
     fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     dtype_code = VEC_DTYPE_CODES[dtype]

@@ -24,31 +24,31 @@ def _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa=None):
     return fn
 
 
-def _case(num_heads, num_kv_heads, head_dim, context_lens, dtype, seed=0):
+def _case(num_heads, num_kv_heads, head_dim, context_lens, dtype, seed=0, block_size=BLOCK_SIZE):
     g = torch.Generator().manual_seed(seed)
     num_reqs = len(context_lens)
-    max_blocks = -(-max(context_lens) // BLOCK_SIZE)
+    max_blocks = -(-max(context_lens) // block_size)
     num_blocks = num_reqs * max_blocks + 3
-    k_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks * BLOCK_SIZE, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     # Scattered, non-monotonic blocks; unused table entries point at block 0 like the runner's padding.
     perm = torch.randperm(num_blocks, generator=g)
     block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int64)
     for i, n in enumerate(context_lens):
-        used = -(-n // BLOCK_SIZE)
+        used = -(-n // block_size)
         block_table[i, :used] = perm[i * max_blocks : i * max_blocks + used]
     # q is a strided view, as in the model (q and k heads share one projection output).
     qk = torch.randn(num_reqs, num_heads + num_kv_heads, head_dim, generator=g).to(dtype)
     return qk[:, :num_heads], k_cache, v_cache, block_table, torch.tensor(context_lens, dtype=torch.int64)
 
 
-def _reference(q, k_cache, v_cache, block_table, context_lens, scale):
+def _reference(q, k_cache, v_cache, block_table, context_lens, scale, block_size=BLOCK_SIZE):
     num_heads, head_dim = q.shape[1], q.shape[2]
     group = num_heads // k_cache.shape[1]
     out = []
     for i, n in enumerate(context_lens.tolist()):
         pos = torch.arange(n)
-        slots = block_table[i, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+        slots = block_table[i, pos // block_size] * block_size + pos % block_size
         k = k_cache[slots].double().repeat_interleave(group, dim=1)  # [n, num_heads, head_dim]
         v = v_cache[slots].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
@@ -56,11 +56,11 @@ def _reference(q, k_cache, v_cache, block_table, context_lens, scale):
     return torch.stack(out)
 
 
-def _run(fn, q, k_cache, v_cache, block_table, context_lens, rows=None, num_rows=None):
+def _run(fn, q, k_cache, v_cache, block_table, context_lens, rows=None, num_rows=None, block_size=BLOCK_SIZE):
     rows = torch.arange(q.shape[0]) if rows is None else rows
     out = torch.full((num_rows or q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
     scale = q.shape[2] ** -0.5
-    fn(q, k_cache, v_cache, block_table, rows, context_lens, int(context_lens.max()), BLOCK_SIZE, out, scale)
+    fn(q, k_cache, v_cache, block_table, rows, context_lens, int(context_lens.max()), block_size, out, scale)
     return out, scale
 
 
@@ -81,6 +81,17 @@ def test_matches_float64_reference(num_heads, num_kv_heads, head_dim, dtype, ato
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("block_size", [1, 5, 24, 32])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+def test_blocks_of_other_sizes_than_a_tile(block_size, dtype, atol):
+    """The kernel walks 16 positions at a time; blocks may end inside such a tile, or hold several."""
+    fn = _kernel_or_skip(dtype, 9, 3, 64)
+    q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [1, 15, 17, 48, 131], dtype, 2, block_size)
+    out, scale = _run(fn, q, k_cache, v_cache, block_table, context_lens, block_size=block_size)
+    ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale, block_size)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
 def test_writes_only_the_given_rows():
     fn = _kernel_or_skip(torch.float32, 4, 2, 16)
     q, k_cache, v_cache, block_table, context_lens = _case(4, 2, 16, [5, 40], torch.float32)
@@ -96,18 +107,40 @@ def test_writes_only_the_given_rows():
 
 @pytest.mark.parametrize("isa", LEVELS)
 def test_batch_invariant_and_thread_invariant(isa):
+    """Threads take contiguous ranges of rows balanced by context length: a row's result must not depend
+    on which thread computes it, what it computed before (its prefetches) or how many threads there are,
+    more than rows included."""
     fn = _kernel_or_skip(torch.bfloat16, 9, 3, 64, isa)
     q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [7, 64, 130, 33, 250, 1], torch.bfloat16)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        together, _ = _run(fn, q, k_cache, v_cache, block_table, context_lens)
         torch.set_num_threads(1)
-        for i in range(q.shape[0]):
-            alone, _ = _run(fn, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])
-            assert torch.equal(alone[0], together[i]), f"request {i} changed with the batch"
+        alone = [_run(fn, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])[0][0]
+                 for i in range(q.shape[0])]  # fmt: skip
+        for num_threads in (1, 2, 3, 8):
+            torch.set_num_threads(num_threads)
+            together, _ = _run(fn, q, k_cache, v_cache, block_table, context_lens)
+            for i in range(q.shape[0]):
+                assert torch.equal(alone[i], together[i]), f"request {i} changed with {num_threads} threads"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prefill_rows_share_a_request():
+    """A prefill chunk's tokens are rows of one request at consecutive positions (same block table)."""
+    fn = _kernel_or_skip(torch.float32, 9, 3, 64)
+    q, k_cache, v_cache, block_table, _ = _case(9, 3, 64, [40], torch.float32)
+    q = torch.randn(12, 9, 64, generator=torch.Generator().manual_seed(3))
+    context_lens = torch.arange(29, 41)  # positions 28..39 of the request
+    block_table = block_table.expand(12, -1).contiguous()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out, scale = _run(fn, q, k_cache, v_cache, block_table, context_lens)
+    finally:
+        torch.set_num_threads(threads)
+    ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
