@@ -8,7 +8,10 @@
  * padding, no mask. Arithmetic is float32 in 16-lane vectors (GCC vector
  * extensions, lowered to whatever SIMD the machine has) whatever the cache
  * dtype; bfloat16 is widened on load and rounded to nearest even on store,
- * as torch does.
+ * as torch does. With AVX2 (16 registers of 8 lanes) the per-tile functions
+ * are written for 8-lane vectors instead (16-lane ones would spill), with
+ * the same operations lane for lane, so the same results as the generic
+ * level bit for bit.
  *
  * Memory: a step reads every layer's cache once, so a row's K and V rows are
  * mostly cold, and reading them is most of the cost. A tile's slots are
@@ -25,10 +28,13 @@
  *
  * Arithmetic, per head: a key's score is the lane sums of q * k over the
  * 16-lane chunks of the head, added chunk after chunk, reduced by a tree of
- * halves (`hsum16`, 16 keys at once); the softmax numerators exp(s - max)
- * and their sum; then the values, weighted, added position after position,
- * times 1 / sum. The order is fixed per row, so a row's result never depends
- * on the rest of the batch or on the number of threads.
+ * halves (`hsum16`, 16 keys at once; with AVX2 the first step adds the
+ * two 8-lane halves, `hsum8` does the rest); the softmax numerators
+ * exp(s - max) and their sum (position after position, except with AVX-512,
+ * where GCC vectorises that loop); then the values, weighted, added
+ * position after position, times 1 / sum. The order is fixed per row, so a
+ * row's result never depends on the rest of the batch or on the number of
+ * threads.
  *
  * Layouts (element strides, innermost dimension contiguous):
  *   q, out        [num_tokens, num_heads, head_dim], token stride given
@@ -48,11 +54,15 @@
 #include "cpu_math.h"
 #include "cpu_vec.h"
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#define EIGHT_LANES /* the per-tile arithmetic in 8-lane vectors: see "AVX2" below */
+#endif
+
 #define MAX_CHUNKS 16 /* head_dim / LANES */
 #define MAX_GROUP 16
 
 static const f32x16 ZERO = {0};
-static const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 /* Store x as elements [i, i + 16) of a float32 or bfloat16 row (bfloat16 rounded to nearest even). */
 static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
@@ -62,32 +72,6 @@ static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
     } else {
         memcpy(row + i * 4, &x, sizeof x);
     }
-}
-
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (u32x16){__VA_ARGS__})
-#endif
-
-/* r[j] = the sum of v[j]'s lanes, for 16 vectors at once. Each sum is a tree of halves (lane l + lane
- * l+8, then +4, +2, +1; a serial sum would be a 16-add chain), the same for every key whatever its
- * tile; 16 x 3 shuffle-and-adds instead of 16 x 4 horizontal steps. */
-static inline f32x16 hsum16(const f32x16 v[LANES]) {
-    f32x16 w[8], x[4], y[2];
-    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s 8 partial sums, 8-15: v[2i+1]'s */
-        w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++) /* quads: v[4i], v[4i+2], v[4i+1], v[4i+3] */
-        x[i] = SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               SHUFFLE(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++) /* pairs: v[8i + 0, 4, 2, 6, 1, 5, 3, 7] */
-        y[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    /* z[2k] = sum of v[p[k]], z[2k+1] = sum of v[8 + p[k]], p = 0, 4, 2, 6, 1, 5, 3, 7 */
-    const f32x16 z = SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-                     SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-    return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
 /* The shapes of one call. */
@@ -168,6 +152,45 @@ struct ahead {
     int n;
 };
 
+/* The largest of x's lanes. */
+static inline float largest_lane(f32x16 x) {
+    float m = -FLT_MAX;
+    for (int l = 0; l < LANES; l++) m = x[l] > m ? x[l] : m;
+    return m;
+}
+
+#ifndef EIGHT_LANES
+/* The per-tile arithmetic in 16-lane vectors (AVX-512: one register each; generic: lowered to what the
+ * target has). */
+
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (u32x16){__VA_ARGS__})
+#endif
+
+/* r[j] = the sum of v[j]'s lanes, for 16 vectors at once. Each sum is a tree of halves (lane l + lane
+ * l+8, then +4, +2, +1; a serial sum would be a 16-add chain), the same for every key whatever its
+ * tile; 16 x 3 shuffle-and-adds instead of 16 x 4 horizontal steps. */
+static inline f32x16 hsum16(const f32x16 v[LANES]) {
+    f32x16 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s 8 partial sums, 8-15: v[2i+1]'s */
+        w[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* quads: v[4i], v[4i+2], v[4i+1], v[4i+3] */
+        x[i] = SHUFFLE(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               SHUFFLE(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* pairs: v[8i + 0, 4, 2, 6, 1, 5, 3, 7] */
+        y[i] = SHUFFLE(x[2 * i], x[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUFFLE(x[2 * i], x[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    /* z[2k] = sum of v[p[k]], z[2k+1] = sum of v[8 + p[k]], p = 0, 4, 2, 6, 1, 5, 3, 7 */
+    const f32x16 z = SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                     SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+static const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
 /* Pass 1 for one kv head and one tile of n keys (at `k_head` + off[j]): the scores of its `group` heads,
  * head g's stored at scores[g * stride], and their per-lane maxima. This kv head's part of the slots in
  * `pf` (`pf_head`: its offset) is requested meanwhile. */
@@ -222,17 +245,186 @@ static inline __attribute__((always_inline)) void value_tile(
         for (int c = 0; c < chunks; c++) acc[g * chunks + c] = a[g][c];
 }
 
-/* Replace one head's scores by exp(score - max) and return their sum (max: the largest lane). */
-static inline float softmax_numerators(float *scores, int64_t ctx, f32x16 max_lanes) {
-    float m = -FLT_MAX, sum = 0.0f;
-    for (int l = 0; l < LANES; l++) m = max_lanes[l] > m ? max_lanes[l] : m;
+/* Replace one head's scores by exp(score - max) and return their sum. */
+static inline float softmax_numerators(float *scores, int64_t ctx, float max) {
+    float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t pos = 0; pos < ctx; pos++) {
-        scores[pos] = exp_nonpositive(scores[pos] - m);
+        scores[pos] = exp_nonpositive(scores[pos] - max);
         sum += scores[pos];
     }
     return sum;
 }
+
+/* softmax_numerators for the `group` heads of a kv head, head g's scores at scores[g * stride]. */
+static inline void softmax_group(float *scores, int64_t stride, int64_t ctx, const f32x16 *max_score, float *denom,
+                                 const int group) {
+    for (int g = 0; g < group; g++) denom[g] = softmax_numerators(scores + g * stride, ctx, largest_lane(max_score[g]));
+}
+
+#else
+/* AVX2 (16 registers of 8 lanes): the 16-lane arithmetic above on the two 8-lane halves of each 16-lane
+ * vector (lanes 0-7 and 8-15), so with the same results bit for bit, in loops shaped so that their
+ * accumulators fit the registers. As pairs of registers, 16-lane vectors made 4x slower code (a tile's
+ * scores and the queries did not fit, hsum16 went through the stack), and GCC left the softmax loop scalar. */
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* Elements [i, i + 8) of a float32 or bfloat16 row, as float32. bfloat16 is widened by one shuffle of
+ * the 8 elements loaded into both 128-bit halves (each to the high half of its lane, zero below). */
+static inline f32x8 load8(const char *row, int64_t i, int dtype) {
+    if (dtype == DTYPE_BF16) {
+        const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
+                                                 -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+        const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + i * 2)));
+        return (f32x8)_mm256_shuffle_epi8(h, to_high);
+    }
+    f32x8 x;
+    memcpy(&x, row + i * 4, sizeof x);
+    return x;
+}
+
+/* The 8-lane sums of q * k over a key's chunks for `group` heads, head g's in w[g]: a chunk's halves
+ * accumulated apart (the lanes of hsum16's input), then added (hsum16's first step, lane l + lane l+8).
+ * q is read from memory, so the 2 * group sums stay in registers. */
+static inline __attribute__((always_inline)) void key_sums(const float *q, const char *key, int dtype, f32x8 *w,
+                                                           const int group, const int chunks) {
+    f32x8 lo[MAX_GROUP], hi[MAX_GROUP];
+    for (int c = 0; c < chunks; c++) {
+        const f32x8 k0 = load8(key, c * LANES, dtype), k1 = load8(key, c * LANES + 8, dtype);
+        for (int g = 0; g < group; g++) {
+            f32x8 q0, q1;
+            memcpy(&q0, q + (g * chunks + c) * LANES, sizeof q0);
+            memcpy(&q1, q + (g * chunks + c) * LANES + 8, sizeof q1);
+            lo[g] = c == 0 ? q0 * k0 : lo[g] + q0 * k0;
+            hi[g] = c == 0 ? q1 * k1 : hi[g] + q1 * k1;
+        }
+    }
+    for (int g = 0; g < group; g++) w[g] = lo[g] + hi[g];
+}
+
+/* r[j] = the sum of v[j]'s lanes, for 8 vectors at once, by the rest of hsum16's tree: lane l + lane
+ * l+4, then +2, +1. */
+static inline f32x8 hsum8(const f32x8 v[8]) {
+    f32x8 x[4], y[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: v[i]'s 4 partial sums, 4-7: v[i+4]'s */
+        x[i] = _mm256_permute2f128_ps(v[i], v[i + 4], 0x20) + _mm256_permute2f128_ps(v[i], v[i + 4], 0x31);
+    for (int i = 0; i < 2; i++) /* pairs: v[2i], v[2i+1], v[2i+4], v[2i+5] */
+        y[i] = _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44) + _mm256_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE);
+    return _mm256_shuffle_ps(y[0], y[1], 0x88) + _mm256_shuffle_ps(y[0], y[1], 0xDD);
+}
+
+/* Per lane, the larger of the 8 maxima at `max` and the scores s of the positions among them that are
+ * keys (the n first). */
+static inline void update_max8(float *max, f32x8 s, int n) {
+    static const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    f32x8 m;
+    memcpy(&m, max, sizeof m);
+    const i32x8 larger = (s > m) & (lane < (i32x8){0} + n);
+    m = (f32x8)(((i32x8)s & larger) | ((i32x8)m & ~larger));
+    memcpy(max, &m, sizeof m);
+}
+
+/* Pass 1 for one kv head and one tile of n keys (at `k_head` + off[j]): the scores of its `group` heads,
+ * head g's stored at scores[g * stride], and their per-lane maxima; 8 keys at a time: key_sums, then
+ * hsum8 per head. This kv head's part of the slots in `pf` (`pf_head`: its offset) is requested
+ * meanwhile. */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *q, const char *k_head, const int64_t off[LANES], int n, const struct ahead *pf, int64_t pf_head,
+    int dtype, float *scores, int64_t stride, f32x16 *max_score, const int group, const int chunks) {
+    const int64_t head_bytes = (int64_t)chunks * LANES * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int half = 0; half < 2; half++) {
+        f32x8 w[8][MAX_GROUP];
+        for (int i = 0; i < 8; i++) {
+            const int j = half * 8 + i;
+            if (j < pf->n) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
+            if (j < n)
+                key_sums(q, k_head + off[j], dtype, w[i], group, chunks);
+            else
+                for (int g = 0; g < group; g++) w[i][g] = (f32x8){0};
+        }
+        for (int g = 0; g < group; g++) {
+            const f32x8 v[8] = {w[0][g], w[1][g], w[2][g], w[3][g], w[4][g], w[5][g], w[6][g], w[7][g]};
+            const f32x8 sg = hsum8(v);
+            memcpy(scores + g * stride + half * 8, &sg, sizeof sg);
+            update_max8((float *)&max_score[g] + half * 8, sg, n - half * 8);
+        }
+    }
+}
+
+/* Pass 2 for one kv head and one tile of n value rows (at `v_head` + off[j]): acc[g][c] += w * v for its
+ * `group` heads, head g's weights at weights[g * stride]; one 16-lane chunk of every head at a time
+ * (2 * group accumulators). Line c of this kv head's part of each slot in `pf` is requested while chunk
+ * c is computed (a head has no more lines than chunks). */
+static inline __attribute__((always_inline)) void value_tile(
+    const float *weights, int64_t stride, const char *v_head, const int64_t off[LANES], int n,
+    const struct ahead *pf, int64_t pf_head, int dtype, f32x16 *acc, const int group, const int chunks) {
+    const int64_t head_bytes = (int64_t)chunks * LANES * (dtype == DTYPE_BF16 ? 2 : 4);
+    for (int c = 0; c < chunks; c++) {
+        const int pf_n = c * 64 < head_bytes ? pf->n : 0;
+        f32x8 a[MAX_GROUP][2];
+#pragma GCC unroll 16 /* copied in a loop, a[] went through the stack */
+        for (int g = 0; g < group; g++) {
+            memcpy(&a[g][0], (const float *)&acc[g * chunks + c], sizeof a[g][0]);
+            memcpy(&a[g][1], (const float *)&acc[g * chunks + c] + 8, sizeof a[g][1]);
+        }
+        for (int j = 0; j < n; j++) {
+            if (j < pf_n) prefetch(pf->base + pf->off[j] + pf_head + c * 64, 64);
+            const char *v = v_head + off[j];
+            const f32x8 v0 = load8(v, c * LANES, dtype), v1 = load8(v, c * LANES + 8, dtype);
+            for (int g = 0; g < group; g++) {
+                a[g][0] += weights[g * stride + j] * v0;
+                a[g][1] += weights[g * stride + j] * v1;
+            }
+        }
+        for (int j = n; j < pf_n; j++) prefetch(pf->base + pf->off[j] + pf_head + c * 64, 64);
+#pragma GCC unroll 16
+        for (int g = 0; g < group; g++) {
+            memcpy((float *)&acc[g * chunks + c], &a[g][0], sizeof a[g][0]);
+            memcpy((float *)&acc[g * chunks + c] + 8, &a[g][1], sizeof a[g][1]);
+        }
+    }
+}
+
+/* exp_nonpositive on 8 lanes: its operations in its order, so the same bits. */
+static inline f32x8 exp8(f32x8 x) {
+    const f32x8 lowest = _mm256_set1_ps(-87.0f);
+    x = _mm256_blendv_ps(x, lowest, _mm256_cmp_ps(x, lowest, _CMP_LT_OQ)); /* a NaN stays */
+    const f32x8 n = _mm256_round_ps(x * EXP_LOG2E, _MM_FROUND_CUR_DIRECTION); /* rintf */
+    const f32x8 r = EXP_REDUCE(x, n);
+    const f32x8 p = EXP_POLY(r);
+    const i32x8 bits = (__builtin_convertvector(n, i32x8) + 127) << 23;
+    return p * (f32x8)bits;
+}
+
+/* Replace the scores of a kv head's `group` heads (head g's at scores[g * stride]) by exp(score - max)
+ * and store their sums in denom: 8 positions at a time (the last ctx % 8 one by one), then each sum
+ * position after position, as the generic level's scalar loop adds it, the heads' sums interleaved
+ * (independent chains of adds). */
+static inline __attribute__((always_inline)) void softmax_group(float *scores, int64_t stride, int64_t ctx,
+                                                                const f32x16 *max_score, float *denom,
+                                                                const int group) {
+    float sum[MAX_GROUP];
+    for (int g = 0; g < group; g++) {
+        float *s = scores + g * stride;
+        const float max = largest_lane(max_score[g]);
+        int64_t pos = 0;
+        for (; pos + 8 <= ctx; pos += 8) {
+            f32x8 x;
+            memcpy(&x, s + pos, sizeof x);
+            x = exp8(x - max);
+            memcpy(s + pos, &x, sizeof x);
+        }
+        for (; pos < ctx; pos++) s[pos] = exp_nonpositive(s[pos] - max);
+        sum[g] = 0.0f;
+    }
+    for (int64_t pos = 0; pos < ctx; pos++)
+        for (int g = 0; g < group; g++) sum[g] += scores[g * stride + pos];
+    for (int g = 0; g < group; g++) denom[g] = sum[g];
+}
+
+#endif
 
 /* One row, all heads: `group` query heads per kv head, `chunks` * 16 lanes each. `next` is the row this
  * thread computes next (NULL if none): its K slots are requested during pass 2. */
@@ -261,8 +453,9 @@ static inline __attribute__((always_inline)) void attend_row(const struct layer 
                        kvh * L->head_bytes, L->dtype, S->scores + kvh * group * S->stride + t * LANES, S->stride,
                        S->max_score + kvh * group, group, chunks);
     }
-    for (int64_t h = 0; h < num_heads; h++)
-        S->denom[h] = softmax_numerators(S->scores + h * S->stride, ctx, S->max_score[h]);
+    for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
+        softmax_group(S->scores + kvh * group * S->stride, S->stride, ctx, S->max_score + kvh * group,
+                      S->denom + kvh * group, group);
     /* Pass 2: the weighted sum of values; the K slots of the thread's next row are requested. */
     for (int64_t t = 0; t < tiles; t++) {
         const int n = tile_size(ctx, t);

@@ -180,6 +180,21 @@ def test_levels_agree_within_float32_rounding():
         torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif("avx2" not in LEVELS, reason="the CPU does not run AVX2")
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (4, 2, 16), (6, 1, 128), (3, 3, 48), (16, 1, 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_gives_the_generic_levels_bits(num_heads, num_kv_heads, head_dim, dtype):
+    """AVX2 has its own score, value and softmax loops (8-lane halves of the 16-lane vectors) doing the
+    generic level's operations in its order: the same bits, contexts ending at every kind of boundary."""
+    kernels = [_kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa) for isa in ("generic", "avx2")]
+    case = _case(num_heads, num_kv_heads, head_dim, [1, 7, 8, 9, 15, 16, 17, 24, 100, 203], dtype, seed=4)
+    generic, avx2 = (_run(fn, *case)[0].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)
+                     for fn in kernels)  # fmt: skip
+    assert torch.equal(avx2, generic)
+
+
 def test_unsupported_shapes_and_devices_fall_back():
     assert decode_attention_kernel("cpu", torch.float32, 4, 2, 24) is None  # head_dim not a multiple of 16
     assert decode_attention_kernel("cpu", torch.float32, 5, 2, 16) is None  # heads not a multiple of kv heads
