@@ -6,7 +6,8 @@
 # bfloat16, and asyncpp's default deployment (configs/default.toml) at the CPU's best ISA level
 # ("asyncpp-auto"), again with model.cpu_isa = "avx2" ("asyncpp-avx2"), and as one stage with two
 # threads ("asyncpp-pp1": pp_size = 1, num_threads = 2), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
-# out, ignore_eos, greedy. Every server is driven over its OpenAI API by the same client
+# out, ignore_eos, greedy, a new set of prompts per concurrency (seed = concurrency: no run finds its
+# prompts in a prefix cache the run before filled). Every server is driven over its OpenAI API by the same client
 # ($PEERS/load.py, `vllm bench serve`'s metrics), so asyncpp's figures include its HTTP front end.
 # Prints one table (output tok/s and mean TPOT per server and concurrency) and keeps every run's
 # JSON in OUT_DIR. Needs the peers installed once: $PEERS/setup.sh (about 20 min on 2 cores).
@@ -26,7 +27,7 @@ lscpu > "$OUT/cpu.txt"
 
 load() {  # load NAME PORT CONCURRENCY
   "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
-    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
+    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 --seed "$3" \
     --json-out "$OUT/$1-c$3.json" >/dev/null
   echo "  $1 c$3: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$OUT/$1-c$3.json")"
 }
