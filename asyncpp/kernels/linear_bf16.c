@@ -336,6 +336,8 @@ static inline __attribute__((always_inline)) void qb_tile(const int fmt, const i
 QB_TILE_FN(QB_Q8_0)
 QB_TILE_FN(QB_Q4_0)
 QB_TILE_FN(QB_Q4_1)
+typedef void (*qb_tile_fn)(int, const uint16_t *, int64_t, const float *, const uint8_t *, int64_t, __m512i, uint16_t *,
+                           int64_t, int64_t, int64_t);
 
 /* sx [m, k / 32]: each row's float32 sum of x over each 32-input block (one fixed order). */
 static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, float *sx) {
@@ -343,9 +345,11 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
     for (int64_t i = 0; i < m; i++)
         for (int64_t b = 0; b < nb; b++) {
             const __m512i h = _mm512_loadu_si512(x + i * ldx + b * QK);
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-            const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-            sx[i * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+            const __m512i lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(h));
+            const __m512i hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1));
+            const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+            sx[i * nb + b] = _mm512_reduce_add_ps(sum);
         }
 }
 
@@ -368,15 +372,14 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
     }
     const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS : QB_TILE_ROWS_Q4;
     const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
+    const qb_tile_fn tile = fmt == QB_Q8_0 ? qb_tile_QB_Q8_0 : fmt == QB_Q4_0 ? qb_tile_QB_Q4_0 : qb_tile_QB_Q4_1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *wb = packed + b * block_bytes;
         for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
             const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
             const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
-            if (fmt == QB_Q8_0) qb_tile_QB_Q8_0((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
-            else if (fmt == QB_Q4_0) qb_tile_QB_Q4_0((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
-            else qb_tile_QB_Q4_1((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+            tile((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
         }
     }
     free(sx);
