@@ -46,7 +46,8 @@ class ModelConfig:
     # lower one (torch's own kernels are capped too). A level the CPU lacks fails at start-up.
     cpu_isa: str = "auto"
     # "float": weights converted to `dtype` at load; "native": kept in the file's format (GGUF
-    # quantized blocks, float16, ...) and multiplied in float32 (dtype float32 or auto; CPU only).
+    # quantized blocks, float16, ...) and multiplied by the kernels in float32, or in bfloat16 with
+    # AVX512-BF16 (CPU only); "auto": native wherever that holds and the kernel builds.
     weight_format: str = "auto"
     # CUDA stages: capture a graph per stage for decode steps of these batch sizes (a step is
     # padded to the next one; larger steps and prefills run eagerly). Ignored on CPU.

@@ -23,14 +23,13 @@ import ctypes
 import statistics
 import tempfile
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 from asyncpp.kernels import build
 from asyncpp.kernels.decode_attention import DecodeAttention, decode_attention_kernel, wrap_library
-from asyncpp.kernels.isa import compile_flags, native_level
+from asyncpp.kernels.isa import native_level
 
 BLOCK_SIZE = 16
 # Head shapes the bit-for-bit comparison runs besides the step's: (num_heads, num_kv_heads, head_dim).
@@ -39,11 +38,8 @@ CHECK_SHAPES = [(9, 3, 64), (4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 1, 128), (3,
 
 def load_source(path: Path, isa: str, workdir: Path) -> ctypes.CDLL:
     """A build of the kernel source at `path` with the package's headers and `build`'s flags."""
-    package = resources.files("asyncpp.kernels")
-    headers = {f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")}
     target = workdir / f"{path.stem}-{isa}.so"
-    compiler = build.shutil.which("cc") or build.shutil.which("gcc")
-    build._compile(compiler, build._BASE_FLAGS + compile_flags(isa), path.read_bytes(), headers, target)
+    build.compile_source(path.read_bytes(), isa, target)
     return ctypes.CDLL(str(target))
 
 

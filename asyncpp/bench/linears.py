@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from asyncpp.bench.memcpy import time_memcpy_us
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel
 from asyncpp.kernels.qlinear import qlinear_kernel
@@ -54,20 +55,7 @@ def _stack(parts: list[StoredTensor]) -> StoredTensor:
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     """Bytes copied per second by one thread, median of `repeats` copies of an `nbytes` buffer."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        src = torch.ones(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(previous)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / (time_memcpy_us(nbytes, num_threads=1, repeats=repeats)["p50_us"] * 1e-6) / 1e9
 
 
 def _time(fn, repeats: int) -> float:

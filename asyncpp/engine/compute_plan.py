@@ -13,8 +13,8 @@ activation ring takes the plan's resolved values, never the config's
   matmuls would run on a slow conversion path), with either weight format.
   An explicit dtype is kept, even a slow one;
 - `weight_format = "native"` needs a CPU (no CUDA kernel) and float32, or
-  bfloat16 at a level with AVX512-BF16 (its kernel expands the blocks into
-  bfloat16 dot products). "auto" is native wherever that holds and its
+  bfloat16 at a level with AVX512-BF16 (its kernel multiplies the blocks'
+  values in bfloat16 dot products). "auto" is native wherever that holds and its
   kernel builds (a C compiler, kernels not disabled), else float: native is
   as fast or faster at every load measured (README, "CPU speed").
 """

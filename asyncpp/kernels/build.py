@@ -49,13 +49,12 @@ def load_kernel_library(name: str, isa: str) -> ctypes.CDLL | None:
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         log.info("kernel_disabled", env=DISABLE_ENV)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         log.warning("kernel_unavailable", reason="no C compiler (cc/gcc) on PATH; using the torch fallback")
         return None
-    package = resources.files("asyncpp.kernels")
-    source = package.joinpath(f"{name}.c").read_bytes()
-    headers = {f.name: f.read_bytes() for f in package.iterdir() if f.name.endswith(".h")}
+    source = resources.files("asyncpp.kernels").joinpath(f"{name}.c").read_bytes()
+    headers = _headers()
     flags = _BASE_FLAGS + compile_flags(isa)
     try:
         target = kernel_cache_dir() / f"{name}-{isa}-{_build_key(compiler, flags, source, headers)}.so"
@@ -67,6 +66,23 @@ def load_kernel_library(name: str, isa: str) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", None) or str(e)
         log.warning("kernel_unavailable", reason=f"build failed: {detail.strip()[:500]}; using the torch fallback")
         return None
+
+
+def find_compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_source(source: bytes, isa: str, target: Path) -> None:
+    """Build a kernel's C `source` (another version of one, for a benchmark) for level `isa` into `target`,
+    as `load_kernel_library` builds the package's: the same flags, the package's headers beside it."""
+    compiler = find_compiler()
+    if compiler is None:
+        raise OSError("no C compiler (cc/gcc) on PATH")
+    _compile(compiler, _BASE_FLAGS + compile_flags(isa), source, _headers(), target)
+
+
+def _headers() -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in resources.files("asyncpp.kernels").iterdir() if f.name.endswith(".h")}
 
 
 def _build_key(compiler: str, flags: tuple[str, ...], source: bytes, headers: dict[str, bytes]) -> str:

@@ -4,10 +4,10 @@
 linears are all `NativeLinear` (float32 over `qlinear`, or bfloat16 over GGUF
 blocks through `linear_bf16_q`) and whose elementwise ops are fused, or None
 when some part is missing (another device, no C compiler, a layer with more
-than `MAX_RUNS` weight formats, bfloat16 over float-format weights). The stack calls the very
-kernels the modules call, in the same order, so its output is bit-identical to
-the module-by-module forward (tested); what it saves is the Python between
-them, about 0.1 ms per layer, which on a one-request decode step is a quarter
+than `MAX_RUNS` weight formats, bfloat16 over float-format weights). The
+stack calls the very kernels the modules call, in the same order, so its
+output is bit-identical to the module-by-module forward (tested); what it
+saves is the Python between them, about 0.1 ms per layer, which on a one-request decode step is a quarter
 of the step.
 
 The weight table is built once per KV cache (caches do not move); per step
@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
-from asyncpp.kernels.linear_bf16 import BLOCK_FORMAT_CODES
-from asyncpp.kernels.qlinear import FORMATS
+from asyncpp.kernels.qlinear import BLOCK_FORMATS, FORMATS
 
 if TYPE_CHECKING:  # the model imports this module; only type names go the other way
     from asyncpp.model.attention import AttentionMetadata
@@ -121,7 +120,7 @@ class LayerStack:
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if not linears or not all(isinstance(m, NativeLinear) and len(m.runs) <= MAX_RUNS for m in linears):
             return None
-        if fused.dtype == torch.bfloat16 and any(fmt not in BLOCK_FORMAT_CODES for m in linears for fmt, _, _ in m.runs):
+        if fused.dtype == torch.bfloat16 and any(fmt not in BLOCK_FORMATS for m in linears for fmt, _, _ in m.runs):
             return None  # linear_bf16_q serves GGUF blocks only
         linear_lib, linear_name = _LINEARS[fused.dtype]
         # linear_bf16 is built for avx512_bf16 whatever the level (only that level has its kernel).

@@ -15,6 +15,7 @@ import torch
 
 from asyncpp.kernels.build import load_kernel_library
 from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.qlinear import BLOCK_FORMATS, FORMATS
 
 _I64, _PTR, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -28,8 +29,8 @@ _SIGNATURES = {
     "linear_bf16_q": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "linear_bf16_q_dequant_rows": ([_INT, _PTR, _I64, _PTR, _I64, _PTR], None),
 }
-# GGUF block formats the kernel expands in registers (the codes are qlinear's).
-BLOCK_FORMAT_CODES = {"q8_0": 3, "q4_0": 4, "q4_1": 5}
+# GGUF block formats the kernel multiplies in place, by qlinear's codes (linear_bf16.c shares them).
+BLOCK_FORMAT_CODES = {fmt: FORMATS[fmt] for fmt in BLOCK_FORMATS}
 
 
 class Bf16Linear:

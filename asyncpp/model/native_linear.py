@@ -5,10 +5,10 @@ float16, float32, ...; `asyncpp.weights.base.StoredTensor`) packed for its
 kernel, and multiplies activations of the kernel's dtype with it: float32
 through `asyncpp.kernels.qlinear`, bfloat16 (on CPUs with AVX512-BF16)
 through `asyncpp.kernels.linear_bf16`'s block variant (bfloat16 inputs times
-the file's exact weights). A layer made of several source tensors (q/k/v, gate/up) keeps one packed weight per
-run of parts of the same format and writes each run's outputs into its columns
-of one output tensor, so a file that stores v in Q8_0 and q/k in Q4_1 still
-needs no float copy.
+the file's exact weights). A layer made of several source tensors (q/k/v,
+gate/up) keeps one packed weight per run of parts of the same format and
+writes each run's outputs into its columns of one output tensor, so a file
+that stores v in Q8_0 and q/k in Q4_1 still needs no float copy.
 
 `NativeEmbedding` looks token rows up in a packed weight, dequantized exactly as
 GGUF defines it; a tied model's embedding and lm_head share one packed weight.

@@ -22,7 +22,7 @@ from asyncpp.kernels.isa import native_level
 from asyncpp.kernels.layer_stack import LayerStack
 from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.model.llama import LlamaModel
-from asyncpp.model.native_linear import NativeWeights
+from asyncpp.model.native_linear import NativeKernel, NativeWeights
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.weights import load_weights
 from asyncpp.weights.base import StoredTensor
@@ -105,7 +105,7 @@ def build_model_slice(
     return model
 
 
-def _linear_backend(stored_kernel, bf16_kernel: bool, num_packed: int) -> str:
+def _linear_backend(stored_kernel: NativeKernel | None, bf16_kernel: bool, num_packed: int) -> str:
     if stored_kernel is not None:
         return "qlinear" if stored_kernel.dtype == torch.float32 else "linear_bf16_blocks"
     return "linear_bf16" if bf16_kernel else "onednn" if num_packed else "torch"
