@@ -145,17 +145,27 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
  * chunk p holding column c's input 2p + t. Either way one chunk widens to dpbf16's operand
  * (dword lane c = column c, inputs of one pair) with no shuffle.
  *
- * Rows go in tiles of up to 8 (Q8_0, whose expansion costs more: 12); a tile expands the q in
- * registers as it streams a BLOCK (prefetched into L2 well ahead: one row reads the blocks at
- * DRAM speed), and the next tile finds the BLOCK in L2. Every output is summed in one order
- * (pairs in order within a block, then d, then m; blocks in order), so a row's result does not
- * depend on the batch, the tile or the thread count. */
+ * Rows go in tiles (Q4: up to 8 rows, Q8_0: up to 16, its expansion costing more); a tile
+ * expands the q in registers as it streams a BLOCK, two pairs at a time, and each expanded q
+ * feeds all the tile's rows. Per 32-input block, `part` (registers) sums x * q for mt rows x np
+ * panels; then acc += d * part (+ m * sx). acc is either in registers too (2 * mt * np zmm: 1-2
+ * rows x 4 panels, 3-4 x 2, up to 12 x 1) or, for the shapes that would not fit, in an
+ * L1-resident array (Q4: 3-4 rows x 4 panels, 5-7 x 2; Q8_0: 13-16 x 1), which gives every
+ * shape at least 8 independent dpbf16 chains (their latency is 6 cycles) and more rows per
+ * expanded q. Each (format, rows) shape is its own function, aligned to a cache line: its
+ * placement otherwise moved the 1-row speed by ~5%. The first tile of a BLOCK prefetches the
+ * blocks ahead into L2 (one row reads them at DRAM speed); the next tiles find the BLOCK in L2
+ * and do not prefetch it again (repeated prefetches of cached lines cost Q8_0 ~5%). Every
+ * output is summed in one order (pairs in order within a block, then d, then m; blocks in
+ * order), whatever the shape, so a row's result does not depend on the batch, the tile or the
+ * thread count. */
 
 enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
 #define QK 32
 #define QPAIRS (QK / 2)
-#define QB_TILE_ROWS 12     /* rows per tile at most: Q8_0 (its expansion costs more, so more rows share it) */
-#define QB_TILE_ROWS_Q4 8   /* rows per tile for Q4 (12 measured slower) */
+#define QB_TILE_ROWS_Q4 8   /* rows per tile at most, Q4 */
+#define QB_TILE_ROWS_Q8 16  /* and Q8_0 */
+#define QB_TILE_ROWS 16     /* the larger */
 #define QB_PREFETCH_AHEAD 12 /* input blocks ahead that the tiles prefetch into L2 (Q4_1: 15 KB, DRAM's latency) */
 
 static int64_t qb_header_bytes(int fmt) { return fmt == QB_Q4_1 ? PANEL * 4 : PANEL * 2; }
@@ -252,19 +262,22 @@ static __m512i qb_q4_table(int fmt) {
     return _mm512_loadu_si512(table);
 }
 
-/* Pair p (inputs 2p, 2p + 1) of a panel block's values as dpbf16's operand; for Q4 the chunk gives
- * pairs p and p + 1 (p even): the second goes to *next. */
-static inline __attribute__((always_inline)) __m512bh qb_pair(const int fmt, const uint8_t *values, int p,
-                                                              __m512i q4_table, __m512bh *next) {
+/* Pairs p and p + 1 (p even: inputs 2p .. 2p + 3) of a panel block's values as dpbf16's operands
+ * (Q4: one chunk, its low nibbles for pair p and its high ones for p + 1). */
+static inline __attribute__((always_inline)) void qb_pairs(const int fmt, const uint8_t *values, int p,
+                                                           __m512i q4_table, __m512bh *w0, __m512bh *w1) {
     if (fmt == QB_Q8_0) {
-        const int8_t *q = (const int8_t *)values + p * 32;
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-        return _mm512_cvtne2ps_pbh(b, a); /* elements 0-15 (columns 0-7) from a, 16-31 from b */
+        for (int t = 0; t < 2; t++) {
+            const int8_t *q = (const int8_t *)values + (p + t) * 32;
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+            const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+            *(t == 0 ? w0 : w1) = _mm512_cvtne2ps_pbh(b, a); /* elements 0-15 (columns 0-7) from a, 16-31 from b */
+        }
+        return;
     }
     const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(values + p / 2 * 32)));
-    *next = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), q4_table);
-    return (__m512bh)_mm512_permutexvar_epi16(bytes, q4_table);
+    *w0 = (__m512bh)_mm512_permutexvar_epi16(bytes, q4_table);
+    *w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), q4_table);
 }
 
 static inline __m512bh x_pair(const uint16_t *row, int64_t kp) {
@@ -274,70 +287,91 @@ static inline __m512bh x_pair(const uint16_t *row, int64_t kp) {
 }
 
 /* Rows [0, mt) times panels [j0, j0 + np) of one BLOCK of columns (`wb`: its packed blocks), over all
- * of k. `sx`: the rows' per-block sums of x (Q4_1), nb per row. */
-static inline __attribute__((always_inline)) void qb_tile(const int fmt, const int mt, const int np, const int j0,
-                                                          const uint16_t *x, int64_t ldx, const float *sx,
-                                                          const uint8_t *wb, int64_t k, __m512i q4_table, uint16_t *y,
-                                                          int64_t ldy, int64_t n0, int64_t n) {
+ * of k. `sx`: the rows' per-block sums of x (Q4_1), nb per row. Per 32-input block, `part` sums x * q
+ * (pairs in order); then acc += d * part (+ m * sx), acc in registers (mem = 0) or in an L1-resident
+ * array (mem = 1). `prefetch`: bring the blocks ahead into L2. */
+static inline __attribute__((always_inline)) void qb_tile(const int fmt, const int mt, const int np, const int mem,
+                                                          const int j0, const int prefetch, const uint16_t *x,
+                                                          int64_t ldx, const float *sx, const uint8_t *wb, int64_t k,
+                                                          __m512i q4_table, uint16_t *y, int64_t ldy, int64_t n0,
+                                                          int64_t n) {
     const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), hdr = qb_header_bytes(fmt);
     __m512 acc[QB_TILE_ROWS][NB];
+    float acc_mem[QB_TILE_ROWS][NB][PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < np; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < np; j++) {
+            if (mem) _mm512_store_ps(acc_mem[i][j], _mm512_setzero_ps());
+            else acc[i][j] = _mm512_setzero_ps();
+        }
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blocks = wb + b * NB * pb;
         const char *ahead = (const char *)(blocks + QB_PREFETCH_AHEAD * NB * pb); /* may pass the end: a hint */
-        for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
+        if (prefetch)
+            for (int64_t off = 0; off < NB * pb; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T1);
         __m512 part[QB_TILE_ROWS][NB];
-        __m512bh next[NB];
         for (int i = 0; i < mt; i++)
             for (int j = 0; j < np; j++) part[i][j] = _mm512_setzero_ps();
-        for (int p = 0; p < QPAIRS; p++) {
+        for (int p = 0; p < QPAIRS; p += 2) {
             const int64_t kp = b * QPAIRS + p;
-            __m512bh w[NB];
-            for (int j = 0; j < np; j++) {
-                if (fmt != QB_Q8_0 && p % 2 == 1) w[j] = next[j];
-                else w[j] = qb_pair(fmt, blocks + (j0 + j) * pb + hdr, p, q4_table, &next[j]);
-            }
+            __m512bh w0[NB], w1[NB];
+            for (int j = 0; j < np; j++) qb_pairs(fmt, blocks + (j0 + j) * pb + hdr, p, q4_table, &w0[j], &w1[j]);
             for (int i = 0; i < mt; i++) {
                 const __m512bh a = x_pair(x + i * ldx, kp);
-                for (int j = 0; j < np; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w[j]);
+                for (int j = 0; j < np; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w0[j]);
+            }
+            for (int i = 0; i < mt; i++) {
+                const __m512bh a = x_pair(x + i * ldx, kp + 1);
+                for (int j = 0; j < np; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w1[j]);
             }
         }
         for (int j = 0; j < np; j++) {
             const uint8_t *blk = blocks + (j0 + j) * pb;
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-            for (int i = 0; i < mt; i++) acc[i][j] = _mm512_fmadd_ps(d, part[i][j], acc[i][j]);
-            if (fmt == QB_Q4_1) {
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)));
-                for (int i = 0; i < mt; i++) acc[i][j] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), acc[i][j]);
+            __m512 m = _mm512_setzero_ps();
+            if (fmt == QB_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)));
+            for (int i = 0; i < mt; i++) {
+                __m512 a = _mm512_fmadd_ps(d, part[i][j], mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j]);
+                if (fmt == QB_Q4_1) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), a);
+                if (mem) _mm512_store_ps(acc_mem[i][j], a);
+                else acc[i][j] = a;
             }
         }
     }
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < np && n0 + (j0 + j) * PANEL < n; j++)
-            store_panel_bf16(y + i * ldy, n0 + (j0 + j) * PANEL, n, acc[i][j]);
+            store_panel_bf16(y + i * ldy, n0 + (j0 + j) * PANEL, n, mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j]);
 }
 
-/* Up to QB_TILE_ROWS rows times one BLOCK: 4 panels at once for 1-2 rows, 2 for 3-4, 1 for 5-12
- * (the accumulators stay in registers). */
-#define QB_TILE_CASE(F, R, NP)                                                                      \
-    case R:                                                                                         \
-        for (int j0 = 0; j0 < NB; j0 += NP) qb_tile(F, R, NP, j0, x, ldx, sx, wb, k, t, y, ldy, n0, n); \
-        break;
-#define QB_TILE_FN(F)                                                                                             \
-    static void qb_tile_##F(int mt, const uint16_t *x, int64_t ldx, const float *sx, const uint8_t *wb,          \
-                            int64_t k, __m512i t, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {             \
-        switch (mt) {                                                                                             \
-            QB_TILE_CASE(F, 1, 4) QB_TILE_CASE(F, 2, 4) QB_TILE_CASE(F, 3, 2) QB_TILE_CASE(F, 4, 2)               \
-            QB_TILE_CASE(F, 5, 1) QB_TILE_CASE(F, 6, 1) QB_TILE_CASE(F, 7, 1) QB_TILE_CASE(F, 8, 1)               \
-            QB_TILE_CASE(F, 9, 1) QB_TILE_CASE(F, 10, 1) QB_TILE_CASE(F, 11, 1) QB_TILE_CASE(F, 12, 1)           \
-        }                                                                                                         \
-    }
-QB_TILE_FN(QB_Q8_0)
-QB_TILE_FN(QB_Q4_0)
-QB_TILE_FN(QB_Q4_1)
-typedef void (*qb_tile_fn)(int, const uint16_t *, int64_t, const float *, const uint8_t *, int64_t, __m512i, uint16_t *,
+/* A tile of R rows times one BLOCK, NP panels at a time, acc in registers (MEM 0) or memory (MEM 1):
+ * one function per format and row count. */
+typedef void (*qb_tile_fn)(const uint16_t *, int64_t, const float *, int, const uint8_t *, int64_t, __m512i, uint16_t *,
                            int64_t, int64_t, int64_t);
+#define QB_TILE_DEF(F, R, NP, MEM)                                                                                   \
+    static __attribute__((noinline, aligned(64))) void qb_tile_##F##_##R(                                            \
+        const uint16_t *x, int64_t ldx, const float *sx, int pf, const uint8_t *wb, int64_t k, __m512i t, uint16_t *y, \
+        int64_t ldy, int64_t n0, int64_t n) {                                                                        \
+        for (int j0 = 0; j0 < NB; j0 += NP)                                                                          \
+            qb_tile(F, R, NP, MEM, j0, pf && j0 == 0, x, ldx, sx, wb, k, t, y, ldy, n0, n);                          \
+    }
+#define QB_Q4_SHAPES(F)                                                                                 \
+    QB_TILE_DEF(F, 1, 4, 0) QB_TILE_DEF(F, 2, 4, 0) QB_TILE_DEF(F, 3, 4, 1) QB_TILE_DEF(F, 4, 4, 1) \
+    QB_TILE_DEF(F, 5, 2, 1) QB_TILE_DEF(F, 6, 2, 1) QB_TILE_DEF(F, 7, 2, 1) QB_TILE_DEF(F, 8, 1, 0)
+QB_Q4_SHAPES(QB_Q4_0)
+QB_Q4_SHAPES(QB_Q4_1)
+QB_TILE_DEF(QB_Q8_0, 1, 4, 0) QB_TILE_DEF(QB_Q8_0, 2, 4, 0) QB_TILE_DEF(QB_Q8_0, 3, 2, 0) QB_TILE_DEF(QB_Q8_0, 4, 2, 0)
+QB_TILE_DEF(QB_Q8_0, 5, 1, 0) QB_TILE_DEF(QB_Q8_0, 6, 1, 0) QB_TILE_DEF(QB_Q8_0, 7, 1, 0) QB_TILE_DEF(QB_Q8_0, 8, 1, 0)
+QB_TILE_DEF(QB_Q8_0, 9, 1, 0) QB_TILE_DEF(QB_Q8_0, 10, 1, 0) QB_TILE_DEF(QB_Q8_0, 11, 1, 0)
+QB_TILE_DEF(QB_Q8_0, 12, 1, 0) QB_TILE_DEF(QB_Q8_0, 13, 1, 1) QB_TILE_DEF(QB_Q8_0, 14, 1, 1)
+QB_TILE_DEF(QB_Q8_0, 15, 1, 1) QB_TILE_DEF(QB_Q8_0, 16, 1, 1)
+#define QB_TILES_1_8(F) \
+    qb_tile_##F##_1, qb_tile_##F##_2, qb_tile_##F##_3, qb_tile_##F##_4, qb_tile_##F##_5, qb_tile_##F##_6, \
+        qb_tile_##F##_7, qb_tile_##F##_8
+/* By rows - 1. */
+static const qb_tile_fn qb_tiles_q4_0[QB_TILE_ROWS_Q4] = {QB_TILES_1_8(QB_Q4_0)};
+static const qb_tile_fn qb_tiles_q4_1[QB_TILE_ROWS_Q4] = {QB_TILES_1_8(QB_Q4_1)};
+static const qb_tile_fn qb_tiles_q8_0[QB_TILE_ROWS_Q8] = {
+    QB_TILES_1_8(QB_Q8_0), qb_tile_QB_Q8_0_9,  qb_tile_QB_Q8_0_10, qb_tile_QB_Q8_0_11, qb_tile_QB_Q8_0_12,
+    qb_tile_QB_Q8_0_13,    qb_tile_QB_Q8_0_14, qb_tile_QB_Q8_0_15, qb_tile_QB_Q8_0_16};
 
 /* sx [m, k / 32]: each row's float32 sum of x over each 32-input block (one fixed order). */
 static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, float *sx) {
@@ -370,16 +404,16 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
         if (sx == NULL) return -2;
         qb_block_sums(x, ldx, m, k, sx);
     }
-    const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS : QB_TILE_ROWS_Q4;
+    const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS_Q8 : QB_TILE_ROWS_Q4;
     const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
-    const qb_tile_fn tile = fmt == QB_Q8_0 ? qb_tile_QB_Q8_0 : fmt == QB_Q4_0 ? qb_tile_QB_Q4_0 : qb_tile_QB_Q4_1;
+    const qb_tile_fn *tiles = fmt == QB_Q8_0 ? qb_tiles_q8_0 : fmt == QB_Q4_0 ? qb_tiles_q4_0 : qb_tiles_q4_1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     for (int64_t b = 0; b < num_blocks; b++) {
         const uint8_t *wb = packed + b * block_bytes;
         for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
             const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
             const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
-            tile((int)(i1 - i0), x + i0 * ldx, ldx, tile_sx, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+            tiles[i1 - i0 - 1](x + i0 * ldx, ldx, tile_sx, t == 0, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
         }
     }
     free(sx);
