@@ -98,6 +98,12 @@ class ParallelConfig:
     stage_nice: int = 5
     # One device per stage ("cuda:0", "cuda:1", ...); () = every stage on model.device.
     devices: tuple[str, ...] = ()
+    # CPU pipelines: each stage boundary may move this many layers per step, so that every
+    # step's stage times come out even (the last stage's lm_head weighs on decode steps, the
+    # earlier stages' layers on prompt chunks). Both neighbours hold the layers in between,
+    # with one shared KV cache. 0 = the fixed split; also 0, with a warning at start-up, on
+    # GPU stages and with a KV connector (`EngineConfig.shift_layers`).
+    shift_layers: int = 0
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
@@ -120,6 +126,8 @@ class ParallelConfig:
             )
         for n in self.layer_split:
             _positive("parallel.layer_split entries", n)
+        if self.shift_layers < 0:
+            raise ConfigError(f"parallel.shift_layers must be >= 0, got {self.shift_layers}")
 
     @property
     def steps_in_flight(self) -> int:
@@ -247,6 +255,24 @@ class EngineConfig:
                 "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                 "when scheduler.enable_chunked_prefill is false"
             )
+
+    @property
+    def shift_layers_off_reason(self) -> str | None:
+        """Why `parallel.shift_layers` does not apply to this deployment (None: it does, or is 0)."""
+        if not self.parallel.shift_layers or self.parallel.pp_size == 1:
+            return None
+        if any(d != "cpu" for d in self.stage_devices):
+            return "GPU stages: each stage's KV cache is on its own device"
+        if self.kv_transfer.is_enabled:
+            return "a KV connector: it places each layer's blocks on one stage"
+        return None
+
+    @property
+    def shift_layers(self) -> int:
+        """`parallel.shift_layers` where it applies (CPU pipelines, no KV connector), else 0."""
+        if self.parallel.pp_size == 1 or self.shift_layers_off_reason:
+            return 0
+        return self.parallel.shift_layers
 
     @property
     def stage_devices(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import shutil
 import signal
 import sys
@@ -25,9 +26,11 @@ from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_ove
 from asyncpp.device import check_devices
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
+from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
+from asyncpp.model.arch import ModelArch
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.engine_server import EngineServer
@@ -38,6 +41,7 @@ from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.transport import transport_for
 from asyncpp.wire.queues import RouterQueue
+from asyncpp.worker.shared_kv import SharedKVSegment, SharedKVSpec, shared_kv_specs
 from asyncpp.worker.stage import decode_graph_sizes
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024
@@ -99,9 +103,19 @@ def stage_args_for(
             log_format=ns.log_format,
             log_level=ns.log_level,
             log_file=ns.log_file,
+            run_layers=capacity.layer_ranges[rank],
         )
-        for rank, (start, end) in enumerate(capacity.layer_ranges)
+        for rank, (start, end) in enumerate(capacity.held_ranges)
     ]
+
+
+def launch_shared_kv_specs(
+    capacity: EngineCapacity, arch: ModelArch, addresses: RunAddresses, plan: ComputePlan
+) -> list[SharedKVSpec]:
+    """The shared KV segments of the shift windows (`parallel.shift_layers`), sized for the agreed blocks."""
+    names = [addresses.shared_kv_name(i) for i in range(len(capacity.shift_windows))]
+    num_slots = capacity.num_blocks * capacity.block_size
+    return shared_kv_specs(capacity.shift_windows, names, num_slots, arch.num_kv_heads, arch.head_dim, plan.dtype)
 
 
 def max_steps_in_flight(config: EngineConfig) -> int:
@@ -115,6 +129,8 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
     plan = resolve_compute_plan(config.model, config.stage_devices)  # so is an ISA level it lacks
     log.info("compute_plan", **plan.describe())
+    if config.shift_layers_off_reason:
+        log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=config.shift_layers_off_reason)
     arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch, plan.dtype)
     addresses = RunAddresses.create()
@@ -129,14 +145,16 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         shutil.rmtree(addresses.run_dir, ignore_errors=True)
         raise
     stages = StageGroup(stage_args_for(config, plan, capacity, addresses, ns, kv_ctx), addresses)
+    shared_kv: list[SharedKVSegment] = []
     try:
         stages.start()
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
         t0 = time.monotonic()
         readies = await stages.wait_ready(STAGE_READY_TIMEOUT_S)
         num_blocks = config.cache.num_kv_blocks_override or min(r.num_kv_blocks for r in readies)
-        capacity = EngineCapacity(num_blocks, capacity.block_size, capacity.max_model_len, capacity.layer_ranges)
-        await stages.start_stages(num_blocks)
+        capacity = dataclasses.replace(capacity, num_blocks=num_blocks)
+        shared_kv = [SharedKVSegment.create(spec) for spec in launch_shared_kv_specs(capacity, arch, addresses, plan)]
+        await stages.start_stages(num_blocks, [segment.spec for segment in shared_kv])
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port
         router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
@@ -148,6 +166,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             async_scheduling=config.scheduler.async_scheduling,
             grace_period_s=config.server.grace_period_s,
             compute_plan=plan,
+            balancer=LayerBalancer(arch, capacity.layer_ranges, capacity.shift_windows) if capacity.is_shifting else None,
         )
         log.info(
             "engine_ready",
@@ -156,6 +175,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             max_cohorts=server.max_cohorts,
             async_scheduling=server.async_scheduling,
             layer_ranges=capacity.layer_ranges,
+            shift_windows=capacity.shift_windows,
             num_kv_blocks=num_blocks,
             kv_connector=config.kv_transfer.connector,
             weight_bytes_per_stage=[r.weight_nbytes for r in readies],
@@ -184,6 +204,8 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         if server is not None:
             server.router.close()
         await stages.shutdown()
+        for segment in shared_kv:  # after the stages, which map them
+            segment.close()
         if kv_connector is not None:
             kv_connector.close()  # after the stages: it removes what a killed stage left behind
         log.info("engine_stopped")

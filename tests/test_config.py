@@ -56,6 +56,7 @@ def test_config_is_frozen():
         ({"parallel": {"max_steps_in_flight": -1}}, "parallel.max_steps_in_flight must be"),
         ({"parallel": {"stage_nice": 20}}, "parallel.stage_nice must be in 0..19"),
         ({"parallel": {"stage_nice": -1}}, "parallel.stage_nice must be in 0..19"),
+        ({"parallel": {"shift_layers": -1}}, "parallel.shift_layers must be >= 0"),
         ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}}, "max_num_batched_tokens"),
     ],
 )
@@ -85,3 +86,13 @@ def test_model_defaults_leave_dtype_and_isa_to_start_up():
 
 def test_int_accepted_for_float_fields():
     assert config_from_dict({"server": {"grace_period_s": 3}}).server.grace_period_s == 3.0
+
+
+def test_shift_layers_apply_to_cpu_pipelines_without_a_connector():
+    cpu = config_from_dict({"parallel": {"pp_size": 2, "shift_layers": 3}})
+    assert cpu.shift_layers == 3 and cpu.shift_layers_off_reason is None
+    assert config_from_dict({"parallel": {"shift_layers": 3}}).shift_layers == 0  # pp_size 1: nothing to shift
+    offload = config_from_dict({"parallel": {"pp_size": 2, "shift_layers": 3}, "kv_transfer": {"connector": "offload"}})
+    assert offload.shift_layers == 0 and "KV connector" in offload.shift_layers_off_reason
+    gpu = config_from_dict({"model": {"device": "cuda"}, "parallel": {"pp_size": 2, "shift_layers": 3}})
+    assert gpu.shift_layers == 0 and "GPU" in gpu.shift_layers_off_reason

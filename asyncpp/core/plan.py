@@ -57,6 +57,9 @@ class StepPlan:
     # Torch threads every stage runs this step with; 0 = its own `parallel.num_threads`. The
     # engine lends a lone cohort's steps the idle stages' threads (they run one at a time).
     num_threads: int = 0
+    # Where each stage after the first starts this step (`parallel.shift_layers`: the engine
+    # evens out the stages' work per step); () = the static split.
+    layer_bounds: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -27,6 +27,7 @@ from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats, resolve_compute_plan
 from asyncpp.engine.executor import InProcessExecutor
+from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.input_processor import InputProcessor, Prompt
 from asyncpp.engine.output_processor import OutputProcessor
 from asyncpp.engine.outputs import Completion, RequestOutput
@@ -39,11 +40,12 @@ from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
 from asyncpp.kv_transfer.registry import connector_context, create_scheduler_connector, create_worker_connector
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
-from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers
+from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers, held_ranges, shift_windows
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
+from asyncpp.worker.shared_kv import allocate_shared_kv, shared_kv_specs
 from asyncpp.worker.stage import build_model_slice, build_runner, decode_graph_sizes, stage_num_blocks, torch_dtype
 
 
@@ -57,7 +59,18 @@ class EngineCapacity:
     num_blocks: int
     block_size: int
     max_model_len: int
-    layer_ranges: list[tuple[int, int]]
+    layer_ranges: list[tuple[int, int]]  # the static split
+    # Per stage boundary, the (lowest, highest) start of the later stage (`parallel.shift_layers`).
+    shift_windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def held_ranges(self) -> list[tuple[int, int]]:
+        """The layers each stage loads: its own, plus the windows around it."""
+        return held_ranges(self.layer_ranges, self.shift_windows) if self.shift_windows else self.layer_ranges
+
+    @property
+    def is_shifting(self) -> bool:
+        return any(hi > lo for lo, hi in self.shift_windows)
 
 
 def resolve_capacity(config: EngineConfig, arch: ModelArch, dtype: str) -> EngineCapacity:
@@ -70,12 +83,14 @@ def resolve_capacity(config: EngineConfig, arch: ModelArch, dtype: str) -> Engin
     ranges = compute_layer_ranges(
         arch.num_layers, config.parallel.pp_size, config.parallel.layer_split, head_cost_in_layers(arch)
     )
+    windows = shift_windows(ranges, config.shift_layers) if config.shift_layers else []
     kv_dtype = torch_dtype(dtype)
+    capacity = EngineCapacity(0, config.cache.block_size, config.model.max_model_len, ranges, windows)
     num_blocks = config.cache.num_kv_blocks_override or min(
         stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, kv_dtype)
-        for start, end in ranges
+        for start, end in capacity.held_ranges  # shared layers count on both sides: the budget holds
     )
-    return EngineCapacity(num_blocks, config.cache.block_size, config.model.max_model_len, ranges)
+    return dataclasses.replace(capacity, num_blocks=num_blocks)
 
 
 def kv_connector_context(
@@ -243,10 +258,17 @@ class Engine(EngineCore):
         super().__init__(config, arch, tokenizer, capacity, create_scheduler_connector(kv_ctx, kv_module))
         self.compute_plan = plan
         self._log_compute_plan(plan)
+        if config.shift_layers_off_reason:
+            self.log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=config.shift_layers_off_reason)
         dtype = torch_dtype(plan.dtype)
         runners = []
         self.weight_bytes_per_stage: list[int] = []  # resident weight bytes of each stage's slice
-        for rank, (start, end) in enumerate(capacity.layer_ranges):
+        shared_kv = allocate_shared_kv(shared_kv_specs(
+            capacity.shift_windows, [""] * len(capacity.shift_windows), capacity.num_blocks * capacity.block_size,
+            arch.num_kv_heads, arch.head_dim, plan.dtype,
+        ))  # fmt: skip
+        self.balancer = LayerBalancer(arch, capacity.layer_ranges, capacity.shift_windows) if capacity.is_shifting else None
+        for rank, (start, end) in enumerate(capacity.held_ranges):
             device = devices[rank]
             model = build_model_slice(
                 config.model.source,
@@ -272,6 +294,9 @@ class Engine(EngineCore):
                 graph_sizes=decode_graph_sizes(config, device),
                 max_model_len=capacity.max_model_len,
                 isa=plan.isa,
+                pp_rank=rank,
+                layer_range=capacity.layer_ranges[rank],
+                shared_kv={i: kv for i, kv in shared_kv.items() if start <= i < end},
             )
             runner.build_graphs()
             runners.append(runner)
@@ -301,6 +326,7 @@ class Engine(EngineCore):
             "num_free_kv_blocks": bm.num_free_blocks,
             **compute_stats(self.compute_plan, self.weight_bytes_per_stage),
             **self.kv_stats(),
+            **({"layer_balance": self.balancer.stats()} if self.balancer is not None else {}),
         }
 
     def has_unfinished_requests(self) -> bool:
@@ -319,7 +345,11 @@ class Engine(EngineCore):
         if plan is None:
             return []
         t0 = time.perf_counter()
+        if self.balancer is not None and not plan.is_empty:
+            plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan))
         outputs = self.executor.execute(plan)
+        if self.balancer is not None:
+            self.balancer.observe(plan, self.executor.busy_s)
         results = self.process_output(plan, outputs)
         self.log.debug(
             "step_completed",

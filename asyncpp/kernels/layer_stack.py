@@ -104,8 +104,9 @@ class LayerStack:
         self._lib = lib
         self._model_struct = model_struct
         self._model = model  # keeps the packed weights, norms and rope tables alive
-        self._layers: ctypes.Array | None = None
-        self._layers_for: tuple[int, ...] = ()
+        # Weight tables by (first layer, KV cache addresses): one per range of layers a step runs
+        # (several with `parallel.shift_layers`); caches do not move, so they are built once.
+        self._tables: dict[tuple[int, tuple[int, ...]], ctypes.Array] = {}
         arch = model.arch
         self.dtype = model.fused.dtype
         self._scratch_per_token = lib.stack_scratch_elems(1, arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size)
@@ -156,11 +157,14 @@ class LayerStack:
         )
         return LayerStack(lib, model_struct, model)
 
-    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> ctypes.Array:
-        key = tuple(k.data_ptr() for k, _ in kv_caches)
-        if self._layers is None or key != self._layers_for:
+    def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> ctypes.Array:
+        """The table of the slice's layers [first, first + len(kv_caches))."""
+        key = (first, tuple(k.data_ptr() for k, _ in kv_caches))
+        table = self._tables.get(key)
+        if table is None:
             table = (_Layer * len(kv_caches))()
-            for entry, layer, (k_cache, v_cache) in zip(table, self._model.layers, kv_caches, strict=True):
+            layers = self._model.layers[first : first + len(kv_caches)]
+            for entry, layer, (k_cache, v_cache) in zip(table, layers, kv_caches, strict=True):
                 if k_cache.dtype != self.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
                     raise ValueError(f"the layer stack needs contiguous {self.dtype} KV caches")
                 entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -176,16 +180,17 @@ class LayerStack:
                     for i, (fmt, packed, n) in enumerate(module.runs):
                         target.formats[i], target.out_features[i], target.packed[i] = FORMATS[fmt], n, packed.data_ptr()
                 entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            self._layers, self._layers_for = table, key
-        return self._layers
+            self._tables[key] = table
+        return table
 
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden] in the stack's dtype
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None: first layer of the model
         positions: torch.Tensor,  # [num_tokens] int64
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # of the layers run
         meta: "AttentionMetadata",
+        first: int = 0,  # the slice's index of the first layer run
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kd = meta.kernel_rows
         if kd is None:
@@ -209,7 +214,7 @@ class LayerStack:
         )
         scratch = torch.empty(num_tokens * self._scratch_per_token, dtype=self.dtype)
         status = self._lib.layer_stack(
-            ctypes.byref(self._model_struct), self._layer_table(kv_caches), len(kv_caches), ctypes.byref(step),
+            ctypes.byref(self._model_struct), self._layer_table(kv_caches, first), len(kv_caches), ctypes.byref(step),
             hidden.data_ptr(), residual.data_ptr(), int(has_residual), scratch.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if status != 0:

@@ -211,21 +211,38 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (K, V) per layer of this slice
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,  # from the previous slice
+        layer_range: tuple[int, int] | None = None,  # global [start, end) to run; None: every layer held
     ) -> IntermediateTensors | torch.Tensor:
-        """Non-last slices return `IntermediateTensors`; the last returns normed hidden states."""
+        """Non-last slices return `IntermediateTensors`; the last returns normed hidden states.
+
+        `layer_range` runs part of the layers held (`parallel.shift_layers`): the first slice
+        must start at its first layer and the last end at its last, as they embed and
+        project; `kv_caches` still has one entry per layer held."""
+        first, last = self._local_range(layer_range)
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         else:
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         if self.stack is not None and meta.kernel_rows is not None:
-            hidden, residual = self.stack.forward(hidden, residual, positions, kv_caches, meta)
+            hidden, residual = self.stack.forward(hidden, residual, positions, kv_caches[first:last], meta, first)
         else:
             rope = self.rope.for_step(positions, hidden.dtype, self.fused)
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            for layer, kv_cache in zip(self.layers[first:last], kv_caches[first:last], strict=True):
                 hidden, residual = layer(hidden, residual, rope, kv_cache, meta)
         if not self.is_last:
             return IntermediateTensors({"hidden_states": hidden, "residual": residual})
         return self.norm(hidden, residual)[0]
+
+    def _local_range(self, layer_range: tuple[int, int] | None) -> tuple[int, int]:
+        """`layer_range` as indices into `self.layers`, checked against what this slice may run."""
+        if layer_range is None:
+            return 0, self.num_layers
+        start, end = layer_range
+        ok = self.start_layer <= start < end <= self.end_layer
+        ok = ok and (start == self.start_layer or not self.is_first) and (end == self.end_layer or not self.is_last)
+        if not ok:
+            raise ValueError(f"layers [{start}, {end}) cannot run on the slice [{self.start_layer}, {self.end_layer})")
+        return start - self.start_layer, end - self.start_layer
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         return self.lm_head(hidden)

@@ -63,3 +63,30 @@ def _balanced_counts(num_layers: int, pp_size: int, last_extra: float) -> list[i
     last = max(1, min(num_layers - (pp_size - 1), round(per_stage - last_extra)))
     base, extra = divmod(num_layers - last, pp_size - 1)
     return [base + (1 if i < extra else 0) for i in range(pp_size - 1)] + [last]
+
+
+def shift_windows(ranges: list[tuple[int, int]], shift_layers: int) -> list[tuple[int, int]]:
+    """Per boundary between stages i and i + 1: the (lowest, highest) layer where stage i + 1 may
+    start a step, at most `shift_layers` from the static boundary, every stage keeping at least
+    one layer of its own whatever its neighbours do. Layers in [lowest, highest) are held by both
+    stages (weights loaded twice, KV cache shared)."""
+    if shift_layers < 0:
+        raise ValueError(f"shift_layers must be >= 0, got {shift_layers}")
+    windows: list[tuple[int, int]] = []
+    for i in range(len(ranges) - 1):
+        boundary = ranges[i][1]
+        floor = windows[-1][1] + 1 if windows else ranges[i][0] + 1  # stage i keeps a layer
+        lo = max(boundary - shift_layers, floor)
+        hi = min(boundary + shift_layers, ranges[i + 1][1] - 1)
+        windows.append((min(lo, boundary), max(hi, boundary)))
+    return windows
+
+
+def held_ranges(ranges: list[tuple[int, int]], windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The layers each stage loads: its own range widened by the windows of its two boundaries."""
+    held = []
+    for rank, (start, end) in enumerate(ranges):
+        lo = windows[rank - 1][0] if rank > 0 else start
+        hi = windows[rank][1] if rank < len(windows) else end
+        held.append((lo, hi))
+    return held

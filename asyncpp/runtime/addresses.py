@@ -38,5 +38,9 @@ class RunAddresses:
         # POSIX shm names are short; the run id keeps concurrent runs apart.
         return f"asyncpp-{self.run_id}-ring{pp_rank}"
 
+    def shared_kv_name(self, boundary: int) -> str:
+        """The shared KV cache of the layers around stage boundary `boundary` (0: stages 0 and 1)."""
+        return f"asyncpp-{self.run_id}-kv{boundary}"
+
     def ring_names(self, pp_size: int) -> list[str]:
         return [self.ring_name(rank) for rank in range(1, pp_size)]

@@ -49,6 +49,7 @@ from asyncpp.core.plan import StepPlan
 from asyncpp.core.request import RequestStatus
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats
 from asyncpp.engine.engine import EngineCore
+from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.errors import InvalidRequestError
 from asyncpp.logging import get_logger, is_debug_enabled
@@ -96,6 +97,7 @@ class EngineServer:
         async_scheduling: bool = False,
         grace_period_s: float = 5.0,
         compute_plan: ComputePlan | None = None,
+        balancer: LayerBalancer | None = None,
     ) -> None:
         self.core = core
         self.stages = stages
@@ -107,6 +109,7 @@ class EngineServer:
         self.async_scheduling = async_scheduling
         self.grace_period_s = grace_period_s
         self.compute_plan = compute_plan  # what the stages compute with, for stats
+        self.balancer = balancer  # per-step layer bounds (`parallel.shift_layers`); None: the static split
         parallel = core.config.parallel
         self.num_threads = parallel.num_threads  # each stage's own
         is_cpu = all(device == "cpu" for device in core.config.stage_devices)
@@ -290,6 +293,8 @@ class EngineServer:
                 if self.max_lent_threads and len(self.cohorts) == 1 and (n := self._lent_threads()):
                     plan = dataclasses.replace(plan, num_threads=n)
                     self.num_lent_steps += 1
+                if self.balancer is not None and not plan.is_empty:
+                    plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan))
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
                 await self.stages.broadcast(plan)
@@ -421,6 +426,8 @@ class EngineServer:
             # The scheduler is up to date once this returns, stop strings included (they finish
             # requests during detokenization), so the next plans can leave before the deltas.
             results = self.core.process_output(step.plan, self._stage_outputs(step))
+            if self.balancer is not None:
+                self.balancer.observe(step.plan, [step.outputs[rank].busy_s for rank in range(self.pp_size)])
             self._log_completed(step)  # before the next dispatch: the log shows the true window
             await self._dispatch()
             await self._deliver(results)
@@ -477,6 +484,7 @@ class EngineServer:
             "run_id": self.stages.addresses.run_id,
             **self._compute_stats(),
             **self.core.kv_stats(),
+            **({"layer_balance": self.balancer.stats()} if self.balancer is not None else {}),
         }
 
     def _compute_stats(self) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from asyncpp.runtime.stage_process import StageArgs, stage_main
 from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
 from asyncpp.wire.stage_msgs import Shutdown, StageReady, StageStart
+from asyncpp.worker.shared_kv import SharedKVSpec
 
 # Spins libgomp's idle workers make before they sleep (default 300000: milliseconds). A stage
 # that ran a step with lent threads (a lone cohort) would otherwise keep spinning on the core
@@ -102,10 +103,10 @@ class StageGroup:
         self.readies = [readies[r] for r in range(self.pp_size)]
         return self.readies
 
-    async def start_stages(self, num_kv_blocks: int) -> None:
+    async def start_stages(self, num_kv_blocks: int, shared_kv: list[SharedKVSpec] | None = None) -> None:
         for rank, q in enumerate(self.plan_queues):
             send_ring = self.readies[rank + 1].recv_ring if rank + 1 < self.pp_size else None
-            await q.put(StageStart(num_kv_blocks, send_ring))
+            await q.put(StageStart(num_kv_blocks, send_ring, list(shared_kv or [])))
 
     async def broadcast(self, msg) -> None:
         frame = encode(msg)  # once for every stage: plans are the engine's hottest encode

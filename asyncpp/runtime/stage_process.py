@@ -44,6 +44,7 @@ from asyncpp.wire.queues import PullQueue, PushQueue
 from asyncpp.wire.stage_msgs import SampledTokens, Shutdown, StageOutput, StageReady, StageStart
 from asyncpp.worker.model_runner import ModelRunner
 from asyncpp.worker.outputs import ModelRunnerOutput
+from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
 
 
@@ -51,7 +52,7 @@ from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_bloc
 class StageArgs:
     pp_rank: int
     pp_size: int
-    start_layer: int
+    start_layer: int  # the layers held: loaded, with a KV cache (shared ones included)
     end_layer: int
     model_source: str
     model_path: str | None
@@ -77,6 +78,7 @@ class StageArgs:
     log_format: str = "console"
     log_level: str = "info"
     log_file: str | None = None
+    run_layers: tuple[int, int] | None = None  # the layers a plan without `layer_bounds` runs; None: all held
 
     @property
     def is_first(self) -> bool:
@@ -156,6 +158,7 @@ class Stage:
         self.threads = StepThreads(args.num_threads)
         self.receiver = None
         self.sender = None
+        self.shared_kv: list[SharedKVSegment] = []
         self.runner: ModelRunner | None = None
 
     def serve(self) -> None:
@@ -212,6 +215,11 @@ class Stage:
 
     def _build_runner(self, start: StageStart) -> None:
         a = self.args
+        shared_kv = {}
+        for spec in start.shared_kv:
+            if a.start_layer <= spec.first_layer < a.end_layer:
+                self.shared_kv.append(SharedKVSegment.attach(spec))
+                shared_kv.update(self.shared_kv[-1].caches())
         self.runner = build_runner(
             self.model,
             num_blocks=start.num_kv_blocks,
@@ -223,6 +231,9 @@ class Stage:
             graph_sizes=a.graph_sizes,
             max_model_len=a.max_model_len,
             isa=a.isa,
+            pp_rank=a.pp_rank,
+            layer_range=a.run_layers,
+            shared_kv=shared_kv,
         )
         # The graphs read the ring's slots in place: the previous stage's write is the only copy.
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)
@@ -318,7 +329,7 @@ class Stage:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.kv_connector.close()
-        for closable in (self.sender, self.receiver):
+        for closable in (self.sender, self.receiver, *self.shared_kv):
             if closable is not None:
                 closable.close()
         for q in (self.plans, self.outputs, self.acts_in, self.acts_out, self.tokens_in, self.tokens_out):

@@ -15,6 +15,7 @@ from asyncpp.core.plan import StepPlan
 from asyncpp.transport.base import RingSpec
 from asyncpp.wire.codec import message
 from asyncpp.worker.outputs import ModelRunnerOutput
+from asyncpp.worker.shared_kv import SharedKVSpec
 
 message("step_plan")(StepPlan)
 
@@ -39,6 +40,9 @@ class StageStart:
 
     num_kv_blocks: int
     send_ring: RingSpec | None  # the next stage's ring; None on the last stage
+    # The KV caches of layers held with a neighbour (`parallel.shift_layers`): every window's
+    # segment; a stage maps those within its layers.
+    shared_kv: list[SharedKVSpec] = field(default_factory=list)
 
 
 @message("stage_output")

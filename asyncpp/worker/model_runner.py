@@ -67,14 +67,20 @@ class ModelRunner:
         max_model_len: int = 0,
         pad_slot: int | None = None,
         isa: str | None = None,
+        pp_rank: int = 0,
+        layer_range: tuple[int, int] | None = None,
     ) -> None:
-        """`graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
+        """`layer_range`: the layers this stage runs when a plan names no `layer_bounds` (None: every
+        layer of `model`, which may hold more: `parallel.shift_layers`); `pp_rank` finds its range in
+        a plan's bounds. `graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
         plain replays on CPU); they need the decode kernel, `max_model_len` and a `pad_slot` past the
         engine's blocks. `isa`: the level CPU kernels are built for (None: the CPU's best)."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
-        self.kv_caches = kv_caches
+        self.kv_caches = kv_caches  # one (K, V) per layer held, shared ones included
+        self.pp_rank = pp_rank
+        self.layer_range = layer_range or (model.start_layer, model.end_layer)
         self.device = torch.device(device)
         dtype, arch = kv_caches[0][0].dtype, model.arch
         decode_kernel = None
@@ -149,6 +155,7 @@ class ModelRunner:
             intermediate = intermediate.narrow(inputs.num_tokens)
             if intermediate["hidden_states"].device != self.device:  # in-process stages on different GPUs
                 intermediate = IntermediateTensors({k: v.to(self.device) for k, v in intermediate.tensors.items()})
+        layer_range = self._layer_range(plan)
         size = self.graphs.padded_size(inputs, len(plan.scheduled)) if self.graphs is not None else None
         if size is not None:
             out = self.graphs.run(size, inputs, intermediate)
@@ -159,12 +166,24 @@ class ModelRunner:
                 self.kv_caches,
                 inputs.attn_meta,
                 intermediate,
+                layer_range,
             )
         if not self.is_last:
             return out
         logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None
         self.execute_state = ExecuteModelState(plan.step_id, inputs.sampling_req_ids, logits, finished)
         return None
+
+    def _layer_range(self, plan: StepPlan) -> tuple[int, int]:
+        """The layers this step runs here: the plan's bounds around this stage, else the default."""
+        if not plan.layer_bounds:
+            return self.layer_range
+        if self.graphs is not None:
+            raise ValueError(f"step {plan.step_id}: layer bounds with decode graphs (they capture fixed layers)")
+        starts = (0, *plan.layer_bounds, self.model.arch.num_layers)
+        if self.pp_rank + 1 >= len(starts):
+            raise ValueError(f"step {plan.step_id}: layer bounds {plan.layer_bounds} name no range for stage {self.pp_rank}")
+        return starts[self.pp_rank], starts[self.pp_rank + 1]
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:

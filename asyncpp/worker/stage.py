@@ -146,13 +146,21 @@ def build_runner(
     graph_sizes: tuple[int, ...] = (),
     max_model_len: int = 0,
     isa: str | None = None,
+    pp_rank: int = 0,
+    layer_range: tuple[int, int] | None = None,
+    shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
-    their padding rows' K/V there."""
+    their padding rows' K/V there. `shared_kv`: the caches of layers held with a neighbouring
+    stage (global layer index -> (K, V), `parallel.shift_layers`); the others are allocated here.
+    `layer_range`, `pp_rank`: see `ModelRunner`."""
     num_allocated = num_blocks + 1 if graph_sizes else num_blocks
-    kv_caches = allocate_kv_caches(
-        model.num_layers, num_allocated, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device
+    shared_kv = shared_kv or {}
+    own = [i for i in range(model.start_layer, model.end_layer) if i not in shared_kv]
+    allocated = iter(
+        allocate_kv_caches(len(own), num_allocated, block_size, model.arch.num_kv_heads, model.arch.head_dim, dtype, device)
     )
+    kv_caches = [shared_kv[i] if i in shared_kv else next(allocated) for i in range(model.start_layer, model.end_layer)]
     return ModelRunner(
         model,
         kv_caches,
@@ -164,4 +172,6 @@ def build_runner(
         max_model_len=max_model_len,
         pad_slot=num_blocks * block_size if graph_sizes else None,
         isa=isa,
+        pp_rank=pp_rank,
+        layer_range=layer_range,
     )

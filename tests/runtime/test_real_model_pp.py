@@ -1,4 +1,5 @@
-"""The real SmolLM2 (bfloat16) through the launched engine: pp=2 answers exactly as pp=1, token for token."""
+"""The real SmolLM2 (bfloat16) through the launched engine: pp=2 answers exactly as pp=1, token for token,
+with a fixed split and with a boundary that moves per step (`parallel.shift_layers`)."""
 
 from __future__ import annotations
 
@@ -26,18 +27,20 @@ CHATS = [
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
 
-def real_sections(pp_size: int) -> dict:
+def real_sections(pp_size: int, shift_layers: int = 0) -> dict:
     return {
         "model": {"source": "gguf", "path": "", "dtype": "bfloat16", "max_model_len": 512},
-        "parallel": {"pp_size": pp_size, "num_threads": 1},
+        "parallel": {"pp_size": pp_size, "num_threads": 1, "shift_layers": shift_layers},
         "cache": {"block_size": 16, "kv_cache_memory_mb": 64},
         "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
         "server": {"host": "127.0.0.1", "port": 0, "grace_period_s": 2.0},
     }
 
 
-async def run_chats(tmp_path, pp_size: int) -> list[tuple[list[int], str, str | None]]:
-    with launched(tmp_path / f"pp{pp_size}", real_sections(pp_size), ready_timeout_s=300) as engine:
+async def run_chats(tmp_path, pp_size: int, shift_layers: int = 0) -> list[tuple[list[int], str, str | None]]:
+    run_dir = tmp_path / f"pp{pp_size}-shift{shift_layers}"
+    run_dir.mkdir()
+    with launched(run_dir, real_sections(pp_size, shift_layers), ready_timeout_s=300) as engine:
         client = AsyncClient(engine.address)
         try:
             results = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in CHATS)), 180)
@@ -46,16 +49,17 @@ async def run_chats(tmp_path, pp_size: int) -> list[tuple[list[int], str, str | 
             client.close()
     assert engine.proc.returncode == 0
     assert len(stats["stage_busy_s"]) == pp_size
+    assert ("layer_balance" in stats) == bool(shift_layers)
     return results
 
 
 async def test_real_model_pp2_equals_pp1(tmp_path):
-    (tmp_path / "pp1").mkdir()
-    (tmp_path / "pp2").mkdir()
     pp1 = await run_chats(tmp_path, 1)
     pp2 = await run_chats(tmp_path, 2)
-    for chat, one, two in zip(CHATS, pp1, pp2):
+    shifted = await run_chats(tmp_path, 2, shift_layers=4)
+    for chat, one, two, three in zip(CHATS, pp1, pp2, shifted):
         tokens, text, reason = one
         assert tokens and text.strip(), (chat, one)
         assert reason in ("length", "stop")
         assert two == one, (chat, one, two)
+        assert three == one, (chat, one, three)

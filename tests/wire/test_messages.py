@@ -25,6 +25,7 @@ from asyncpp.wire.client_msgs import (
 )
 from asyncpp.wire.codec import WireError, decode, encode
 from asyncpp.wire.stage_msgs import SampledTokens, Shutdown, StageOutput, StageReady, StageStart
+from asyncpp.worker.shared_kv import SharedKVSpec
 from asyncpp.worker.outputs import KVConnectorOutput, Logprobs, ModelRunnerOutput
 
 PARAMS = SamplingParams(
@@ -130,6 +131,8 @@ MESSAGES = [
             KVConnectorOutput(frozenset({"a"}), frozenset(), frozenset({3, 9}), KVTransferStats(1, 2, 100, 200, 0.5, 0.25))
         ),
     ),
+    StepPlan(step_id=7, scheduled=[ScheduledRequest("a", [5], 3, [0], True)], layer_bounds=(20,)),
+    StageStart(1000, RING, [SharedKVSpec("asyncpp-abc-kv0", 14, 8, 16 * 1000, 3, 64, "bfloat16")]),
 ]
 
 
