@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.core.prefill_share import num_prefill_tokens, prefill_share
 from asyncpp.core.request import RequestStatus
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats
 from asyncpp.engine.engine import EngineCore
@@ -71,8 +72,6 @@ from asyncpp.wire.queues import PeerGoneError, RouterQueue
 from asyncpp.wire.stage_msgs import StageOutput
 
 
-# Smaller prompt chunks than this cost more in per-step overhead than they gain in balance.
-MIN_PREFILL_SHARE_TOKENS = 16
 # While only KV transfers are pending, the stages are polled this often (their threads move the bytes).
 POLL_INTERVAL_S = 0.001
 # Lent threads need whole spare cores: a core that others use this much is still lent (noise).
@@ -122,6 +121,7 @@ class EngineServer:
         # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
         self.cohorts: list[list[int]] = []
         self.last_dispatched_step_id = -1
+        self._last_prefill_tokens = 0  # prompt tokens of the plan dispatched last
         self.peer_of: dict[str, bytes] = {}
         self.log = get_logger(role="engine", pp_rank=None)
         self._wake = asyncio.Event()
@@ -297,6 +297,7 @@ class EngineServer:
                     plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan))
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
+                self._last_prefill_tokens = num_prefill_tokens(plan)
                 await self.stages.broadcast(plan)
                 if self._is_debug:
                     self.log.debug(
@@ -373,17 +374,10 @@ class EngineServer:
         return max(1, math.ceil(num_live / self.max_cohorts))
 
     def _prefill_share(self) -> int | None:
-        """Async scheduling: a plan takes its cohort's share of the pending prompt tokens.
-
-        A prompt admitted whole into one cohort's step makes that step longer than the
-        other cohorts' steps, and every stage idles for the difference. Split over the next
-        plans (a prompt's chunks need no token, so they may go to any cohort), the extra
-        work lands evenly.
-        """
+        """Async scheduling: the prompt tokens a plan may take (`asyncpp.core.prefill_share`)."""
         if not self.async_scheduling or self.max_cohorts == 1:
             return None
-        num_pending = self.core.scheduler.num_pending_prefill_tokens
-        return max(MIN_PREFILL_SHARE_TOKENS, math.ceil(num_pending / self.max_cohorts))
+        return prefill_share(self.core.scheduler.num_pending_prefill_tokens, self.max_cohorts, self._last_prefill_tokens)
 
     def _retire(self, step_id: int) -> None:
         for cohort in self.cohorts:

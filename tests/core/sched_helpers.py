@@ -16,6 +16,7 @@ import random
 from typing import Callable
 
 from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
+from asyncpp.core.prefill_share import num_prefill_tokens, prefill_share
 from asyncpp.core.request import Request
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.kv.block_manager import BlockManager
@@ -131,12 +132,13 @@ def drive_async(
     latest: dict[str, int] = {}
     in_flight: collections.deque[tuple[StepPlan, dict[str, list[int]]]] = collections.deque()
     cohorts: list[list[int]] = []
+    last_prefill = [0]  # prompt tokens of the plan dispatched last
 
     def next_plan() -> StepPlan | None:
         size = max(1, math.ceil((scheduler.num_running + scheduler.num_waiting) / max_cohorts))
         share = None
-        if min_prefill_share is not None:
-            share = max(min_prefill_share, math.ceil(scheduler.num_pending_prefill_tokens / max_cohorts))
+        if min_prefill_share is not None:  # the engine's policy, with the given minimum
+            share = max(min_prefill_share, prefill_share(scheduler.num_pending_prefill_tokens, max_cohorts, last_prefill[0]))
         if len(cohorts) < max_cohorts:
             if (plan := scheduler.schedule(max_num_reqs=size, max_num_prefill_tokens=share)) is not None:
                 cohorts.append([plan.step_id])
@@ -151,6 +153,7 @@ def drive_async(
     num_plans = num_placeholders = 0
     while scheduler.has_unfinished_requests() or in_flight:
         while (plan := next_plan()) is not None:
+            last_prefill[0] = num_prefill_tokens(plan)
             filled = [
                 dataclasses.replace(s, token_ids=[latest[s.request_id]])
                 if s.token_ids == [PLACEHOLDER_TOKEN_ID]
