@@ -3,7 +3,6 @@ bad connector settings fail at start-up naming their key."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -11,11 +10,10 @@ import sys
 import pytest
 
 from asyncpp.bench.runs import to_toml
-from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
-from tests.runtime.conftest import collect
+from tests.runtime.conftest import collect_all
 from tests.runtime.harness import launched, tiny_sections
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -32,12 +30,7 @@ async def test_every_stage_process_polls_its_connector_on_every_step(tmp_path, t
         "options": {"load_blocks": 1, "delay_steps": 30, "events_dir": str(events_dir)},
     }
     with launched(tmp_path, tiny_sections(tiny_hf_dir, 3, (1, 1, 2), kv_transfer=kv)) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
-            stats = await client.stats()
-        finally:
-            client.close()
+        results, stats = await collect_all(engine.address, prompts, GREEDY)
     assert [r[0] for r in results] == reference  # the failed loads were recomputed
     assert stats["kv_connector"] == "recording"
     assert stats["num_failed_load_tokens"] > 0 and stats["num_external_prefix_hit_tokens"] == 0

@@ -39,6 +39,16 @@ async def collect(client: AsyncClient, prompt, params) -> tuple[list[int], str, 
     return tokens, text, reason
 
 
+async def collect_all(address: str, prompts, params) -> tuple[list[tuple[list[int], str, str | None]], dict]:
+    """Every prompt at once through one client: their `collect` results, then the engine's stats."""
+    client = AsyncClient(address)
+    try:
+        results = await asyncio.gather(*(collect(client, p, params) for p in prompts))
+        return results, await client.stats()
+    finally:
+        client.close()
+
+
 async def poll_until(
     probe: Callable[[], Awaitable[Any]], is_done: Callable[[Any], bool], timeout_s: float, interval_s: float = 0.05
 ) -> Any:

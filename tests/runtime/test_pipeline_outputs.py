@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
-from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
-from tests.runtime.conftest import collect
+from tests.runtime.conftest import collect_all
 from tests.runtime.harness import launched, tiny_sections
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -29,12 +27,7 @@ def in_process(tiny_hf_dir, prompts):
 @pytest.mark.parametrize("pp_size,layer_split", [(1, ()), (2, (1, 3)), (2, (2, 2)), (3, (1, 1, 2))])
 async def test_pipeline_equals_in_process(tmp_path, tiny_hf_dir, prompts, in_process, hf_tiny_model, pp_size, layer_split):
     with launched(tmp_path, tiny_sections(tiny_hf_dir, pp_size, layer_split)) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
-            stats = await client.stats()
-        finally:
-            client.close()
+        results, stats = await collect_all(engine.address, prompts, GREEDY)
     assert [r[0] for r in results] == in_process
     assert all(r[2] == "length" for r in results)
     assert len(stats["stage_busy_s"]) == pp_size
@@ -79,13 +72,8 @@ async def test_window_and_stage_niceness(
     scheduler = {"async_scheduling": async_scheduling}
     base_nice = os.getpriority(os.PRIO_PROCESS, 0)
     with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2), parallel=parallel, scheduler=scheduler)) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
-            stats = await client.stats()
-            stage_nice = [os.getpriority(os.PRIO_PROCESS, pid) for pid in stats["stage_pids"]]
-        finally:
-            client.close()
+        results, stats = await collect_all(engine.address, prompts, GREEDY)
+        stage_nice = [os.getpriority(os.PRIO_PROCESS, pid) for pid in stats["stage_pids"]]
     assert [r[0] for r in results] == in_process
     assert stage_nice == [min(19, base_nice + 3)] * 2
     assert _max_steps_in_flight(engine.log_file) == expected_window

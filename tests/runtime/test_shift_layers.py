@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import glob
 import json
 
 import pytest
 
-from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
-from tests.runtime.conftest import collect
+from tests.runtime.conftest import collect_all
 from tests.runtime.harness import launched, tiny_sections
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -28,12 +26,7 @@ async def test_shifted_pipeline_equals_in_process(tmp_path, tiny_hf_dir, prompts
     # Stage 0 has 1 layer of 4 and stage 1 also the head: any balance moves the boundary up.
     sections = tiny_sections(tiny_hf_dir, 2, (1, 3), parallel={"shift_layers": 2})
     with launched(tmp_path, sections) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            results = await asyncio.gather(*(collect(client, p, GREEDY) for p in prompts))
-            stats = await client.stats()
-        finally:
-            client.close()
+        results, stats = await collect_all(engine.address, prompts, GREEDY)
         run_id = stats["run_id"]
         assert glob.glob(f"/dev/shm/asyncpp-{run_id}-kv0")  # the window's shared KV cache
     assert [r[0] for r in results] == expected
