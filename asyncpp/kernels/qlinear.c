@@ -38,15 +38,18 @@
 #define VW 16
 #define MT_MAX 6
 #define NG_WIDE 2 /* groups per tile when it has several rows (a whole number of panels) */
+#define ACC_IN_MEMORY 0 /* block formats: the accumulators live in L1, not registers (see the tile) */
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VW 8
-#define MT_MAX 3
+#define MT_MAX 5
 #define NG_WIDE 2
+#define ACC_IN_MEMORY 1
 #else
 #define VW 16
 #define MT_MAX 4
 #define NG_WIDE 1
+#define ACC_IN_MEMORY 0
 #endif
 
 #define LANES 16
@@ -196,19 +199,48 @@ void qlinear_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
     }
 }
 
-/* ---- the tile: rows [0, MT) of x times NG vector groups of one run of panels ---- */
+/* ---- the tile: rows [0, MT) of x times NG vector groups of one run of panels ----
+ *
+ * Per 32-input block, each t[i][g] is one chain of 32 dependent FMAs; a tile keeps MT x NG
+ * of them in registers, enough independent chains to cover the FMA latency (two pipes x
+ * four cycles: 8 or more). Each expanded weight vector (bytes -> int32 -> float: a few
+ * operations) feeds MT FMAs, so the more rows a tile holds, the less the expansion costs.
+ * The values of GC groups are expanded at once (`group_chunk`), then every row's two
+ * broadcasts of x meet all GC of them; with GC = NG each x is broadcast once per input.
+ *
+ * With 16 vector registers (AVX2) the accumulators of the block formats live in a small
+ * L1-resident array instead (ACC_IN_MEMORY: one load and store per block and output vector),
+ * so that registers hold t for up to 5 rows x 2 groups (10), the expanded values of both groups
+ * (4) and the two broadcasts: 16 (6 rows spill; one thread, SmolLM2's linears, AVX2: 4 rows
+ * 39 GMAC/s, 8 rows 41, 64 rows 46, against 28, 34, 41 with 3 rows and acc in registers).
+ * With 32 registers (AVX-512) everything stays in registers, one group expanded at a time. */
 
 /* Group g of a panel run: panel g / GROUPS_PER_PANEL, lanes (g % GROUPS_PER_PANEL) * VW. */
 #define GROUP_PANEL(w, g, pbytes) ((w) + (int64_t)((g) / GROUPS_PER_PANEL) * (pbytes))
 #define GROUP_LANE(g) (((g) % GROUPS_PER_PANEL) * VW)
 
+/* Groups whose values a block-format tile expands at once. AVX2 (ACC_IN_MEMORY): the most that fit in the
+ * 16 registers beside t and the two broadcasts of x. Elsewhere one at a time (AVX-512 is faster so: 4 rows,
+ * 34 vs 33 GMAC/s); the order of each chain's FMAs is the same either way. */
+static inline int group_chunk(int MT, int NG) {
+    int gc = NG;
+    while (gc > 1 && (!ACC_IN_MEMORY || MT * NG + 2 * gc + 2 > 16)) gc /= 2;
+    return gc;
+}
+
 static inline __attribute__((always_inline)) void tile(const int fmt, const int MT, const int NG, const float *x,
                                                        int64_t ldx, const float *xsum, int64_t ldxs, const uint8_t *w,
                                                        int64_t pbytes, int64_t k, float *y, int64_t ldy, int64_t col0,
                                                        int64_t n) {
+    const int mem = ACC_IN_MEMORY && is_block_format(fmt);
+    const int GC = group_chunk(MT, NG);
     vf acc[6][NG_GEMV]; /* sized for every instantiated tile; only [MT][NG] is used */
+    float acc_mem[6][NG_GEMV][VW] __attribute__((aligned(64)));
     for (int i = 0; i < MT; i++)
-        for (int g = 0; g < NG; g++) acc[i][g] = vf_zero();
+        for (int g = 0; g < NG; g++) {
+            acc[i][g] = vf_zero();
+            if (mem) vf_store(acc_mem[i][g], acc[i][g]);
+        }
     const int64_t step = panel_step_bytes(fmt);
     if (!is_block_format(fmt)) {
         for (int64_t kk = 0; kk < k; kk++) {
@@ -234,12 +266,17 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
                         __builtin_prefetch(GROUP_PANEL(w, g, pbytes) + (b + PF_BLOCKS) * step + off, 0, 0);
             if (fmt == QL_Q8_0) {
                 for (int j = 0; j < QK; j++)
-                    for (int g = 0; g < NG; g++) {
-                        const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
-                        const vf q = vf_i8((const int8_t *)blk + LANES * 2 + j * LANES + GROUP_LANE(g));
-                        for (int i = 0; i < MT; i++) t[i][g] = vf_fma(vf_set1(xb[i * ldx + j]), q, t[i][g]);
+                    for (int g0 = 0; g0 < NG; g0 += GC) {
+                        vf q[NG_GEMV];
+                        for (int g = g0; g < g0 + GC; g++)
+                            q[g] = vf_i8((const int8_t *)GROUP_PANEL(w, g, pbytes) + b * step + LANES * 2 +
+                                         j * LANES + GROUP_LANE(g));
+                        for (int i = 0; i < MT; i++) {
+                            const vf xj = vf_set1(xb[i * ldx + j]);
+                            for (int g = g0; g < g0 + GC; g++) t[i][g] = vf_fma(xj, q[g], t[i][g]);
+                        }
                     }
-            } else {
+            } else if (GC == 1) { /* AVX-512, generic: this simpler form is faster there (8 rows: 37.8 vs 36.5) */
                 for (int j = 0; j < QK / 2; j++)
                     for (int g = 0; g < NG; g++) {
                         const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
@@ -250,19 +287,34 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
                             t[i][g] = vf_fma(vf_set1(xb[i * ldx + j + QK / 2]), hi, t[i][g]);
                         }
                     }
+            } else {
+                for (int j = 0; j < QK / 2; j++)
+                    for (int g0 = 0; g0 < NG; g0 += GC) {
+                        vf lo[NG_GEMV], hi[NG_GEMV];
+                        for (int g = g0; g < g0 + GC; g++)
+                            vf_nibbles(GROUP_PANEL(w, g, pbytes) + b * step + LANES * hdr + j * LANES + GROUP_LANE(g),
+                                       &lo[g], &hi[g]);
+                        for (int i = 0; i < MT; i++) {
+                            const vf xl = vf_set1(xb[i * ldx + j]), xh = vf_set1(xb[i * ldx + j + QK / 2]);
+                            for (int g = g0; g < g0 + GC; g++) {
+                                t[i][g] = vf_fma(xl, lo[g], t[i][g]);
+                                t[i][g] = vf_fma(xh, hi[g], t[i][g]);
+                            }
+                        }
+                    }
             }
             for (int g = 0; g < NG; g++) {
                 const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
                 const vf d = vf_f16((const uint16_t *)blk + GROUP_LANE(g));
-                if (fmt == QL_Q8_0) {
-                    for (int i = 0; i < MT; i++) acc[i][g] = vf_fma(t[i][g], d, acc[i][g]);
-                    continue;
-                }
-                const vf m = fmt == QL_Q4_1 ? vf_f16((const uint16_t *)blk + LANES + GROUP_LANE(g))
-                                            : vf_mul(d, vf_set1(-8.0f));
+                const vf m = fmt == QL_Q4_1   ? vf_f16((const uint16_t *)blk + LANES + GROUP_LANE(g))
+                             : fmt == QL_Q4_0 ? vf_mul(d, vf_set1(-8.0f))
+                                              : vf_zero(); /* Q8_0: unused */
                 for (int i = 0; i < MT; i++) {
-                    acc[i][g] = vf_fma(t[i][g], d, acc[i][g]);
-                    acc[i][g] = vf_fma(m, vf_set1(xsum[i * ldxs + b]), acc[i][g]);
+                    vf a = mem ? vf_loadf(acc_mem[i][g]) : acc[i][g];
+                    a = vf_fma(t[i][g], d, a);
+                    if (fmt != QL_Q8_0) a = vf_fma(m, vf_set1(xsum[i * ldxs + b]), a);
+                    if (mem) vf_store(acc_mem[i][g], a);
+                    else acc[i][g] = a;
                 }
             }
         }
@@ -271,18 +323,19 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
         const int64_t col = col0 + (g / GROUPS_PER_PANEL) * LANES + GROUP_LANE(g);
         if (col >= n) continue;
         for (int i = 0; i < MT; i++) {
+            const vf a = mem ? vf_loadf(acc_mem[i][g]) : acc[i][g];
             if (col + VW <= n) {
-                vf_store(y + i * ldy + col, acc[i][g]);
+                vf_store(y + i * ldy + col, a);
             } else {
                 float tail[VW];
-                vf_store(tail, acc[i][g]);
+                vf_store(tail, a);
                 memcpy(y + i * ldy + col, tail, (size_t)(n - col) * sizeof tail[0]);
             }
         }
     }
 }
 
-/* One specialised body per (format, rows, groups), so the accumulators stay in registers. */
+/* One specialised body per (format, rows, groups), so t (and acc) stay in registers. */
 #define TILE_ARGS x, ldx, xsum, ldxs, w, pbytes, k, y, ldy, col0, n
 #define TILE_FN(F, MT, NG)                                                                                          \
     static void tile_##F##_##MT##_##NG(const float *x, int64_t ldx, const float *xsum, int64_t ldxs,               \
@@ -330,17 +383,23 @@ static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float 
  * block's 4/8-bit values are converted once per call into a float buffer the FMAs read as
  * memory operands, the per-row block sums t live in registers (GEMM_MT rows x GEMM_NG groups
  * of independent chains) and the accumulators in L1. The arithmetic is the tiles' exactly
- * (same t order, same acc updates), so the bits are the same (tested). */
+ * (same t order, same acc updates), so the bits are the same (tested). AVX-512 and the generic
+ * build take this path from GEMM_MIN_ROWS rows; at AVX2 the tiles are faster at any count. */
 
 #if VW == 8
 #define GEMM_MT 6 /* 12 chains of t: fewer leave the FMA latency exposed (4 rows: 30 GMAC/s, 6: 41) */
+/* Never: the tiles, with their accumulators in L1, are faster at every row count (one thread,
+ * SmolLM2's linears: 16 rows 42 vs 41 GMAC/s, 64: 46 vs 41, 256: 46 vs 39). */
+#define GEMM_MIN_ROWS INT64_MAX
 #elif VW == 16 && defined(__AVX512F__)
 #define GEMM_MT 12
 #else
 #define GEMM_MT 4
 #endif
+#ifndef GEMM_MIN_ROWS
+#define GEMM_MIN_ROWS 16 /* below, the tiles are faster */
+#endif
 #define GEMM_NG GROUPS_PER_PANEL /* one panel of 16 columns per unit */
-#define GEMM_MIN_ROWS 16 /* below, the tiles are faster (8 rows, AVX2: 36 vs 27 GMAC/s) */
 
 /* Block b of one panel -> q[j][lane] (j = 0..31, in the tiles' j / j + 16 split: q[j] for input j). */
 static inline void unpack_block(int fmt, const uint8_t *blk, float *q) {

@@ -109,8 +109,10 @@ def test_avx2_and_avx512_give_the_same_bits():
     a, b = qlinear_kernel("avx2"), qlinear_kernel("avx512")
     for fmt in FORMATS:
         raw, _ = stored(fmt, 130, 192, seed=11)
-        x = torch.randn(9, 192)
-        assert torch.equal(a.linear(fmt, x, a.pack(fmt, raw, 130, 192), 130), b.linear(fmt, x, b.pack(fmt, raw, 130, 192), 130))
+        pa, pb = a.pack(fmt, raw, 130, 192), b.pack(fmt, raw, 130, 192)
+        for m in (1, 3, 9, 40, 100):  # different tiles at each level; 40 and 100 rows: AVX-512 unpacks blocks once
+            x = torch.randn(m, 192)
+            assert torch.equal(a.linear(fmt, x, pa, 130), b.linear(fmt, x, pb, 130)), (fmt, m)
 
 
 def test_bad_inputs_are_refused(kernel):
