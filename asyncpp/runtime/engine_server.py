@@ -307,6 +307,7 @@ class EngineServer:
                         num_tokens=plan.num_tokens,
                         after_step_id=plan.after_step_id,
                         num_threads=plan.num_threads,
+                        layer_bounds=plan.layer_bounds,
                     )
 
     def _schedule_next(self) -> StepPlan | None:
