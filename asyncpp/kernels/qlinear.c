@@ -36,23 +36,30 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VW 16
-#define MT_MAX 6
+#define MT_MAX 12
 #define NG_WIDE 2 /* groups per tile when it has several rows (a whole number of panels) */
-#define ACC_IN_MEMORY 0 /* block formats: the accumulators live in L1, not registers (see the tile) */
+#define NG_GEMV_ROWS 6 /* up to this many rows a tile takes NG_GEMV groups (see the tile) */
+#define ACC_IN_MEMORY 1 /* block formats: the accumulators live in L1, not registers (see the tile) */
+#define NUM_VREGS 32
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define VW 8
 #define MT_MAX 5
 #define NG_WIDE 2
+#define NG_GEMV_ROWS 1
 #define ACC_IN_MEMORY 1
+#define NUM_VREGS 16
 #else
 #define VW 16
 #define MT_MAX 4
 #define NG_WIDE 1
+#define NG_GEMV_ROWS 1
 #define ACC_IN_MEMORY 0
+#define NUM_VREGS 16
 #endif
 
 #define LANES 16
+#define MT_ALL (MT_MAX > 6 ? 12 : 6) /* rows of the largest tile instantiated */
 #define QK 32
 #define PANELS_PER_UNIT 4 /* n is padded to a multiple of LANES * PANELS_PER_UNIT */
 #define GROUPS_PER_PANEL (LANES / VW)
@@ -213,18 +220,24 @@ void qlinear_pack(int fmt, const uint8_t *src, int64_t n, int64_t k, uint8_t *ds
  * so that registers hold t for up to 5 rows x 2 groups (10), the expanded values of both groups
  * (4) and the two broadcasts: 16 (6 rows spill; one thread, SmolLM2's linears, AVX2: 4 rows
  * 39 GMAC/s, 8 rows 41, 64 rows 46, against 28, 34, 41 with 3 rows and acc in registers).
- * With 32 registers (AVX-512) everything stays in registers, one group expanded at a time. */
+ * With 32 registers (AVX-512) the accumulators live in L1 too, so that a tile holds t for up to
+ * 12 rows x 2 groups (24) beside the expanded values of both groups (4) and the broadcasts, and
+ * tiles of 2 to 6 rows take 4 groups (NG_GEMV_ROWS: up to 16 chains of t, the values of 4 or 2
+ * groups expanded at once). One thread, SmolLM2's linears, Zen 4: 4 rows 37 GMAC/s, 8 rows 42,
+ * 16 rows 43, 64 rows 47, against 34, 38, 43, 46 with 6 rows x 2 groups and acc in registers
+ * (and the block-unpacking path below from 16 rows). */
 
 /* Group g of a panel run: panel g / GROUPS_PER_PANEL, lanes (g % GROUPS_PER_PANEL) * VW. */
 #define GROUP_PANEL(w, g, pbytes) ((w) + (int64_t)((g) / GROUPS_PER_PANEL) * (pbytes))
 #define GROUP_LANE(g) (((g) % GROUPS_PER_PANEL) * VW)
 
-/* Groups whose values a block-format tile expands at once. AVX2 (ACC_IN_MEMORY): the most that fit in the
- * 16 registers beside t and the two broadcasts of x. Elsewhere one at a time (AVX-512 is faster so: 4 rows,
- * 34 vs 33 GMAC/s); the order of each chain's FMAs is the same either way. */
+/* Groups whose values a block-format tile expands at once. With ACC_IN_MEMORY (AVX2, AVX-512): the most that
+ * fit in the NUM_VREGS registers beside t and the two broadcasts of x (AVX-512, one group at a time instead:
+ * 4 rows 35 vs 37 GMAC/s, 12 rows 31 vs 42). Generic: one at a time; the order of each chain's FMAs is the
+ * same either way. */
 static inline int group_chunk(int MT, int NG) {
     int gc = NG;
-    while (gc > 1 && (!ACC_IN_MEMORY || MT * NG + 2 * gc + 2 > 16)) gc /= 2;
+    while (gc > 1 && (!ACC_IN_MEMORY || MT * NG + 2 * gc + 2 > NUM_VREGS)) gc /= 2;
     return gc;
 }
 
@@ -234,8 +247,8 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
                                                        int64_t n) {
     const int mem = ACC_IN_MEMORY && is_block_format(fmt);
     const int GC = group_chunk(MT, NG);
-    vf acc[6][NG_GEMV]; /* sized for every instantiated tile; only [MT][NG] is used */
-    float acc_mem[6][NG_GEMV][VW] __attribute__((aligned(64)));
+    vf acc[MT_ALL][NG_GEMV]; /* sized for every instantiated tile; only [MT][NG] is used */
+    float acc_mem[MT_ALL][NG_GEMV][VW] __attribute__((aligned(64)));
     for (int i = 0; i < MT; i++)
         for (int g = 0; g < NG; g++) {
             acc[i][g] = vf_zero();
@@ -257,7 +270,7 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
         const int hdr = fmt == QL_Q4_1 ? 4 : 2; /* header bytes per lane: d (and m) */
         for (int64_t b = 0; b < k / QK; b++) {
             const float *xb = x + b * QK;
-            vf t[6][NG_GEMV];
+            vf t[MT_ALL][NG_GEMV];
             for (int i = 0; i < MT; i++)
                 for (int g = 0; g < NG; g++) t[i][g] = vf_zero();
             if (PF_BLOCKS > 0 && b + PF_BLOCKS < k / QK) /* the weight stream, a few blocks ahead */
@@ -276,7 +289,7 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
                             for (int g = g0; g < g0 + GC; g++) t[i][g] = vf_fma(xj, q[g], t[i][g]);
                         }
                     }
-            } else if (GC == 1) { /* AVX-512, generic: this simpler form is faster there (8 rows: 37.8 vs 36.5) */
+            } else if (GC == 1) { /* generic: the simpler form */
                 for (int j = 0; j < QK / 2; j++)
                     for (int g = 0; g < NG; g++) {
                         const uint8_t *blk = GROUP_PANEL(w, g, pbytes) + b * step;
@@ -335,7 +348,7 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
     }
 }
 
-/* One specialised body per (format, rows, groups), so t (and acc) stay in registers. */
+/* One specialised body per (format, rows, groups), so t (and acc, where not in L1) stay in registers. */
 #define TILE_ARGS x, ldx, xsum, ldxs, w, pbytes, k, y, ldy, col0, n
 #define TILE_FN(F, MT, NG)                                                                                          \
     static void tile_##F##_##MT##_##NG(const float *x, int64_t ldx, const float *xsum, int64_t ldxs,               \
@@ -346,7 +359,23 @@ static inline __attribute__((always_inline)) void tile(const int fmt, const int 
 #define TILES_FOR(F)                                                                                              \
     TILE_FN(F, 1, 1) TILE_FN(F, 1, 2) TILE_FN(F, 1, 4) TILE_FN(F, 2, 1) TILE_FN(F, 2, 2) TILE_FN(F, 3, 1)          \
     TILE_FN(F, 3, 2) TILE_FN(F, 4, 1) TILE_FN(F, 4, 2) TILE_FN(F, 5, 1) TILE_FN(F, 5, 2) TILE_FN(F, 6, 1)          \
-    TILE_FN(F, 6, 2)
+    TILE_FN(F, 6, 2) TILES_MORE(F)
+/* AVX-512: tiles of up to 12 rows, and of 2-6 rows x NG_GEMV groups */
+#if MT_MAX > 6
+#define TILES_MORE(F)                                                                                             \
+    TILE_FN(F, 2, 4) TILE_FN(F, 3, 4) TILE_FN(F, 4, 4) TILE_FN(F, 5, 4) TILE_FN(F, 6, 4) TILE_FN(F, 7, 1)          \
+    TILE_FN(F, 7, 2) TILE_FN(F, 8, 1) TILE_FN(F, 8, 2) TILE_FN(F, 9, 1) TILE_FN(F, 9, 2) TILE_FN(F, 10, 1)         \
+    TILE_FN(F, 10, 2) TILE_FN(F, 11, 1) TILE_FN(F, 11, 2) TILE_FN(F, 12, 1) TILE_FN(F, 12, 2)
+#define TILE_ROW_MORE(F)                                                                                          \
+    , {tile_##F##_7_1, tile_##F##_7_2, 0, 0}, {tile_##F##_8_1, tile_##F##_8_2, 0, 0},                             \
+        {tile_##F##_9_1, tile_##F##_9_2, 0, 0}, {tile_##F##_10_1, tile_##F##_10_2, 0, 0},                         \
+        {tile_##F##_11_1, tile_##F##_11_2, 0, 0}, {tile_##F##_12_1, tile_##F##_12_2, 0, 0}
+#define T4(F, MT) tile_##F##_##MT##_4
+#else
+#define TILES_MORE(F)
+#define TILE_ROW_MORE(F)
+#define T4(F, MT) 0
+#endif
 TILES_FOR(QL_F32)
 TILES_FOR(QL_F16)
 TILES_FOR(QL_BF16)
@@ -358,12 +387,12 @@ typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const ui
                         int64_t, int64_t, int64_t);
 
 #define TILE_ROW(F)                                                                                               \
-    {{tile_##F##_1_1, tile_##F##_1_2, 0, tile_##F##_1_4}, {tile_##F##_2_1, tile_##F##_2_2, 0, 0},                 \
-     {tile_##F##_3_1, tile_##F##_3_2, 0, 0}, {tile_##F##_4_1, tile_##F##_4_2, 0, 0},                               \
-     {tile_##F##_5_1, tile_##F##_5_2, 0, 0}, {tile_##F##_6_1, tile_##F##_6_2, 0, 0}}
+    {{tile_##F##_1_1, tile_##F##_1_2, 0, tile_##F##_1_4}, {tile_##F##_2_1, tile_##F##_2_2, 0, T4(F, 2)},          \
+     {tile_##F##_3_1, tile_##F##_3_2, 0, T4(F, 3)}, {tile_##F##_4_1, tile_##F##_4_2, 0, T4(F, 4)},                 \
+     {tile_##F##_5_1, tile_##F##_5_2, 0, T4(F, 5)}, {tile_##F##_6_1, tile_##F##_6_2, 0, T4(F, 6)} TILE_ROW_MORE(F)}
 /* [format][rows - 1][groups - 1] */
-static const tile_fn TILES[QL_NUM_FORMATS][6][4] = {TILE_ROW(QL_F32),  TILE_ROW(QL_F16),  TILE_ROW(QL_BF16),
-                                                    TILE_ROW(QL_Q8_0), TILE_ROW(QL_Q4_0), TILE_ROW(QL_Q4_1)};
+static const tile_fn TILES[QL_NUM_FORMATS][MT_ALL][4] = {TILE_ROW(QL_F32),  TILE_ROW(QL_F16),  TILE_ROW(QL_BF16),
+                                                         TILE_ROW(QL_Q8_0), TILE_ROW(QL_Q4_0), TILE_ROW(QL_Q4_1)};
 
 /* Block sums of x for the Q4 formats: xsum[i * nb + b] = x[i, 32b] + ... + x[i, 32b + 31], in order. */
 static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float *xsum) {
@@ -383,8 +412,8 @@ static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float 
  * block's 4/8-bit values are converted once per call into a float buffer the FMAs read as
  * memory operands, the per-row block sums t live in registers (GEMM_MT rows x GEMM_NG groups
  * of independent chains) and the accumulators in L1. The arithmetic is the tiles' exactly
- * (same t order, same acc updates), so the bits are the same (tested). AVX-512 and the generic
- * build take this path from GEMM_MIN_ROWS rows; at AVX2 the tiles are faster at any count. */
+ * (same t order, same acc updates), so the bits are the same (tested). The generic build takes
+ * this path from GEMM_MIN_ROWS rows; at AVX2 and AVX-512 the tiles are as fast or faster at any count. */
 
 #if VW == 8
 #define GEMM_MT 6 /* 12 chains of t: fewer leave the FMA latency exposed (4 rows: 30 GMAC/s, 6: 41) */
@@ -393,6 +422,9 @@ static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float 
 #define GEMM_MIN_ROWS INT64_MAX
 #elif VW == 16 && defined(__AVX512F__)
 #define GEMM_MT 12
+/* Never, as at AVX2: the tiles (12 rows x 2 groups, acc in L1) are as fast at 16 rows and more (one thread,
+ * SmolLM2's linears, Zen 4: 16 rows 43 vs 43 GMAC/s, 64: 47 vs 46, 256: 45 vs 44). */
+#define GEMM_MIN_ROWS INT64_MAX
 #else
 #define GEMM_MT 4
 #endif
@@ -534,7 +566,7 @@ int qlinear(int fmt, const float *x, int64_t ldx, int64_t m, const uint8_t *pack
     for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
         const int64_t rows = m - m0 < MCHUNK ? m - m0 : MCHUNK;
         const int64_t num_tiles = (rows + MT_MAX - 1) / MT_MAX;
-        const int ng = rows == 1 ? NG_GEMV : NG_WIDE; /* divides num_groups: n is padded to 4 panels */
+        const int ng = rows <= NG_GEMV_ROWS ? NG_GEMV : NG_WIDE; /* divides num_groups: n is padded to 4 panels */
         const int64_t num_units = num_groups / ng;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_units > 1)
         for (int64_t u = 0; u < num_units; u++) {

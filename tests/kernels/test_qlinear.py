@@ -110,7 +110,8 @@ def test_avx2_and_avx512_give_the_same_bits():
     for fmt in FORMATS:
         raw, _ = stored(fmt, 130, 192, seed=11)
         pa, pb = a.pack(fmt, raw, 130, 192), b.pack(fmt, raw, 130, 192)
-        for m in (1, 3, 9, 40, 100):  # different tiles at each level; 40 and 100 rows: AVX-512 unpacks blocks once
+        # different tiles at each level (AVX-512: 3 and 6 rows x 4 groups, 9 and 12 rows in one tile, 40 = 10 x 4)
+        for m in (1, 3, 6, 9, 12, 40, 100):
             x = torch.randn(m, 192)
             assert torch.equal(a.linear(fmt, x, pa, 130), b.linear(fmt, x, pb, 130)), (fmt, m)
 
