@@ -52,16 +52,11 @@ class LayerBalancer:
         self.num_layers = ranges[-1][1]
         self.static_bounds = tuple(start for start, _ in ranges[1:])
         self.windows = list(windows)
-        layer_macs = (
-            arch.hidden_size * (arch.q_size + 2 * arch.kv_size)
-            + arch.q_size * arch.hidden_size
-            + 3 * arch.hidden_size * arch.intermediate_size
-        )
         attention_macs = 2 * arch.num_heads * arch.head_dim  # q.k and p.v per token and context position
         head_macs = arch.vocab_size * arch.hidden_size
         self.theta = np.array(
             [
-                layer_macs * TOKEN_UNIT / PRIOR_LINEAR_MACS_PER_S * 1e3,
+                arch.layer_params * TOKEN_UNIT / PRIOR_LINEAR_MACS_PER_S * 1e3,
                 attention_macs * ATTENTION_UNIT / PRIOR_ATTENTION_MACS_PER_S * 1e3,
                 PRIOR_LAYER_MS,
                 head_macs * SAMPLE_UNIT / PRIOR_LINEAR_MACS_PER_S * 1e3,

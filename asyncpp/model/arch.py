@@ -38,3 +38,12 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's linears (q, k, v, o, gate, up, down): its multiply-adds per token."""
+        return (
+            self.hidden_size * (self.q_size + 2 * self.kv_size)
+            + self.q_size * self.hidden_size
+            + 3 * self.hidden_size * self.intermediate_size
+        )

@@ -44,12 +44,7 @@ def compute_layer_ranges(
 
 def head_cost_in_layers(arch: ModelArch) -> float:
     """The last stage's extra work (lm_head) in decoder-layer units, for balancing."""
-    layer_params = (
-        arch.hidden_size * (arch.q_size + 2 * arch.kv_size)
-        + arch.q_size * arch.hidden_size
-        + 3 * arch.hidden_size * arch.intermediate_size
-    )
-    return HEAD_COST_FACTOR * arch.vocab_size * arch.hidden_size / layer_params
+    return HEAD_COST_FACTOR * arch.vocab_size * arch.hidden_size / arch.layer_params
 
 
 def _balanced_counts(num_layers: int, pp_size: int, last_extra: float) -> list[int]:
