@@ -30,7 +30,6 @@ from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
-from asyncpp.model.arch import ModelArch
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.engine_server import EngineServer
@@ -41,7 +40,7 @@ from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.transport import transport_for
 from asyncpp.wire.queues import RouterQueue
-from asyncpp.worker.shared_kv import SharedKVSegment, SharedKVSpec, shared_kv_specs
+from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import decode_graph_sizes
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024
@@ -109,15 +108,6 @@ def stage_args_for(
     ]
 
 
-def launch_shared_kv_specs(
-    capacity: EngineCapacity, arch: ModelArch, addresses: RunAddresses, plan: ComputePlan
-) -> list[SharedKVSpec]:
-    """The shared KV segments of the shift windows (`parallel.shift_layers`), sized for the agreed blocks."""
-    names = [addresses.shared_kv_name(i) for i in range(len(capacity.shift_windows))]
-    num_slots = capacity.num_blocks * capacity.block_size
-    return shared_kv_specs(capacity.shift_windows, names, num_slots, arch.num_kv_heads, arch.head_dim, plan.dtype)
-
-
 def max_steps_in_flight(config: EngineConfig) -> int:
     """One activation ring slot per step that can be in flight."""
     return config.parallel.steps_in_flight * (2 if config.scheduler.async_scheduling else 1)
@@ -153,7 +143,8 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         readies = await stages.wait_ready(STAGE_READY_TIMEOUT_S)
         num_blocks = config.cache.num_kv_blocks_override or min(r.num_kv_blocks for r in readies)
         capacity = dataclasses.replace(capacity, num_blocks=num_blocks)
-        shared_kv = [SharedKVSegment.create(spec) for spec in launch_shared_kv_specs(capacity, arch, addresses, plan)]
+        names = [addresses.shared_kv_name(i) for i in range(len(capacity.shift_windows))]
+        shared_kv = [SharedKVSegment.create(spec) for spec in capacity.shared_kv_specs(arch, plan.dtype, names)]
         await stages.start_stages(num_blocks, [segment.spec for segment in shared_kv])
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port

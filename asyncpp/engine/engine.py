@@ -45,7 +45,7 @@ from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
-from asyncpp.worker.shared_kv import allocate_shared_kv, shared_kv_specs
+from asyncpp.worker.shared_kv import SharedKVSpec, allocate_shared_kv, shared_kv_specs
 from asyncpp.worker.stage import build_model_slice, build_runner, decode_graph_sizes, stage_num_blocks, torch_dtype
 
 
@@ -71,6 +71,11 @@ class EngineCapacity:
     @property
     def is_shifting(self) -> bool:
         return any(hi > lo for lo, hi in self.shift_windows)
+
+    def shared_kv_specs(self, arch: ModelArch, dtype: str, names: list[str]) -> list[SharedKVSpec]:
+        """The shared KV caches of the shift windows (one name per window), sized for `num_blocks`."""
+        num_slots = self.num_blocks * self.block_size
+        return shared_kv_specs(self.shift_windows, names, num_slots, arch.num_kv_heads, arch.head_dim, dtype)
 
 
 def resolve_capacity(config: EngineConfig, arch: ModelArch, dtype: str) -> EngineCapacity:
@@ -263,10 +268,8 @@ class Engine(EngineCore):
         dtype = torch_dtype(plan.dtype)
         runners = []
         self.weight_bytes_per_stage: list[int] = []  # resident weight bytes of each stage's slice
-        shared_kv = allocate_shared_kv(shared_kv_specs(
-            capacity.shift_windows, [""] * len(capacity.shift_windows), capacity.num_blocks * capacity.block_size,
-            arch.num_kv_heads, arch.head_dim, plan.dtype,
-        ))  # fmt: skip
+        # In process the windows' caches are plain tensors: their segment names go unused.
+        shared_kv = allocate_shared_kv(capacity.shared_kv_specs(arch, plan.dtype, [""] * len(capacity.shift_windows)))
         self.balancer = LayerBalancer(arch, capacity.layer_ranges, capacity.shift_windows) if capacity.is_shifting else None
         for rank, (start, end) in enumerate(capacity.held_ranges):
             device = devices[rank]
