@@ -87,6 +87,11 @@ class ParallelConfig:
     # its steps runs with every stage's threads (pp_size * num_threads) instead of its own,
     # as far as other processes leave those cores idle.
     lend_idle_threads: bool = True
+    # CPU: bind each stage's threads to CPUs (its own cores first, then the cores its lent
+    # threads borrow: `asyncpp/runtime/cpu_affinity.py`) when the machine has a core per
+    # stage thread; an OpenMP binding the user set (GOMP_CPU_AFFINITY, OMP_PLACES,
+    # OMP_PROC_BIND) wins.
+    pin_threads: bool = True
     # Cohorts in flight, disjoint sets of the live requests, each with one step in flight (two
     # with scheduler.async_scheduling); 0 = pp_size (one cohort per stage, as large as
     # possible). pp_size + 1 hides the engine's turnaround without async scheduling, at the

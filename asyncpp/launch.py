@@ -23,7 +23,7 @@ import uvloop
 
 from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
-from asyncpp.device import check_devices
+from asyncpp.device import check_devices, is_cuda
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
 from asyncpp.engine.layer_balance import LayerBalancer
@@ -32,6 +32,7 @@ from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.cpu_affinity import stage_cpu_lists, usable_cpu_ids
 from asyncpp.runtime.engine_server import EngineServer
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.runtime.stage_process import StageArgs
@@ -72,6 +73,7 @@ def stage_args_for(
 ) -> list[StageArgs]:
     pp_size = len(capacity.layer_ranges)
     devices = config.stage_devices
+    cpu_lists = stage_cpus(config, pp_size)
     return [
         StageArgs(
             pp_rank=rank,
@@ -94,6 +96,7 @@ def stage_args_for(
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             num_ring_slots=max_steps_in_flight(config),
             nice=config.parallel.stage_nice,
+            cpus=cpu_lists[rank],
             async_scheduling=config.scheduler.async_scheduling,
             transport=transport_for(devices[rank]),
             addresses=addresses,
@@ -106,6 +109,15 @@ def stage_args_for(
         )
         for rank, (start, end) in enumerate(capacity.held_ranges)
     ]
+
+
+def stage_cpus(config: EngineConfig, pp_size: int) -> list[tuple[int, ...]]:
+    """The CPUs each stage's threads are bound to (`parallel.pin_threads`); () per stage when unbound:
+    pinning off, a GPU stage, or fewer CPUs than stage threads."""
+    unbound = [()] * pp_size
+    if not config.parallel.pin_threads or any(is_cuda(d) for d in config.stage_devices):
+        return unbound
+    return stage_cpu_lists(usable_cpu_ids(), pp_size, config.parallel.num_threads) or unbound
 
 
 def max_steps_in_flight(config: EngineConfig) -> int:
@@ -170,6 +182,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             num_kv_blocks=num_blocks,
             kv_connector=config.kv_transfer.connector,
             weight_bytes_per_stage=[r.weight_nbytes for r in readies],
+            stage_cpus=[list(a.cpus) for a in stages.stage_args],
             startup_s=round(time.monotonic() - t0, 2),
         )
         loop = asyncio.get_running_loop()

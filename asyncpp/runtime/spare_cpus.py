@@ -11,6 +11,8 @@ import os
 import time
 from collections.abc import Sequence
 
+from asyncpp.runtime.cpu_affinity import usable_cpu_ids
+
 
 class SpareCpus:
     """CPUs free for our processes (`pids`), measured over the last `interval_s`; Linux /proc.
@@ -25,7 +27,7 @@ class SpareCpus:
     def __init__(self, pids: Sequence[int], interval_s: float = 0.5) -> None:
         self.pids = list(pids)
         self.interval_s = interval_s
-        self.cpu_ids = _usable_cpu_ids()
+        self.cpu_ids = usable_cpu_ids()
         self.num_spare = float(len(self.cpu_ids))
         self._last = self._read()
         self._next_at = time.monotonic() + interval_s
@@ -63,13 +65,6 @@ class SpareCpus:
 
 
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _usable_cpu_ids() -> list[int]:
-    """The CPUs this process (and the stages it spawns) may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return sorted(os.sched_getaffinity(0))
-    return list(range(os.cpu_count() or 1))
 
 
 def _proc_cpu_ticks(pid: int) -> int:

@@ -5,7 +5,9 @@ whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
 and every segment unlinked. A stage whose ISA level is below the CPU's best
 starts with `torch_isa_env(level)` in its environment (torch reads it when
 the child imports it), set around that child's start only. CPU stages also
-start with a short OpenMP spin (`openmp_env`) unless the user chose one.
+start with a short OpenMP spin (`openmp_env`) unless the user chose one, and
+with their threads bound to their CPUs (`StageArgs.cpus`, `cpu_affinity`)
+unless the user chose a binding.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from multiprocessing import shared_memory
 
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.cpu_affinity import affinity_env
 from asyncpp.runtime.stage_process import StageArgs, stage_main
 from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
@@ -54,7 +57,8 @@ class StageGroup:
     def start(self) -> None:
         for args, p in zip(self.stage_args, self.procs):
             env = torch_isa_env(args.isa) if args.isa else {}
-            with _environ(env | openmp_env(args.device, os.environ)):
+            env = env | openmp_env(args.device, os.environ) | affinity_env(args.cpus, os.environ)
+            with _environ(env):
                 p.start()
 
     def dead_stages(self) -> list[int]:

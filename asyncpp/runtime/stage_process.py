@@ -74,6 +74,7 @@ class StageArgs:
     kv_connector: ConnectorContext | None = None  # None: no KV connector
     kv_connector_module: str = ""  # imported before the connector is looked up (out-of-tree connectors)
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
+    cpus: tuple[int, ...] = ()  # CPU stages: thread i is bound to cpus[i] (`cpu_affinity`); () = unbound
     async_scheduling: bool = False  # pass sampled tokens from the last stage to the first
     log_format: str = "console"
     log_level: str = "info"
