@@ -408,29 +408,35 @@ static void block_sums(const float *x, int64_t ldx, int64_t m, int64_t k, float 
 /* ---- many rows, block formats: each block's values are unpacked once into L1 (as floats) ----
  *
  * The tiles above unpack every block once per tile of rows; with many rows (prefill, large
- * decode batches) that unpacking, and the registers it holds, bound the multiply-adds. Here a
- * block's 4/8-bit values are converted once per call into a float buffer the FMAs read as
- * memory operands, the per-row block sums t live in registers (GEMM_MT rows x GEMM_NG groups
- * of independent chains) and the accumulators in L1. The arithmetic is the tiles' exactly
- * (same t order, same acc updates), so the bits are the same (tested). The generic build takes
- * this path from GEMM_MIN_ROWS rows; at AVX2 and AVX-512 the tiles are as fast or faster at any count. */
+ * decode batches) that unpacking, and the registers it holds, bound the multiply-adds. Here the
+ * 4/8-bit values of GEMM_KC blocks of a panel are converted once per call into a float buffer in
+ * L1, and tiles of GEMM_MT rows sweep those blocks: per input, two loads of unpacked values and
+ * one broadcast of x per row feed GEMM_MT x GEMM_NG independent chains of t (the BLIS shape for
+ * 16 registers at AVX2: 6 rows x 16 columns), and the accumulators live in L1. The arithmetic is
+ * the tiles' exactly (same t order, same acc updates), so the bits are the same (tested).
+ * `gemm_min_rows` says from how many rows a format takes this path. */
 
 #if VW == 8
 #define GEMM_MT 6 /* 12 chains of t: fewer leave the FMA latency exposed (4 rows: 30 GMAC/s, 6: 41) */
-/* Never: the tiles, with their accumulators in L1, are faster at every row count (one thread,
- * SmolLM2's linears: 16 rows 42 vs 41 GMAC/s, 64: 46 vs 41, 256: 46 vs 39). */
-#define GEMM_MIN_ROWS INT64_MAX
+/* Q4 formats from 28 rows; Q8_0 never (its tiles expand one byte per value, no nibble split, and stay
+ * faster). One thread, Zen 3, interleaved best-of-7 against the tiles over SmolLM2's 121 linears
+ * (python -m asyncpp.bench.linears shapes): 12 / 16 / 20 / 24 rows 0.91-1.00x, 28 / 32 / 64 / 256 rows
+ * 1.04 / 1.04-1.05 / 1.08 / 1.04x (36.6 GMAC/s at 32 rows, 38.4 at 64, of a 46-48 FMA peak); the Q8_0
+ * head alone at 16 / 32 rows 31.7 / 33.3 GMAC/s against the tiles' 37.2 / 36.9. */
+#define GEMM_MIN_ROWS_Q4 28
+#define GEMM_MIN_ROWS_Q8 INT64_MAX
 #elif VW == 16 && defined(__AVX512F__)
 #define GEMM_MT 12
-/* Never, as at AVX2: the tiles (12 rows x 2 groups, acc in L1) are as fast at 16 rows and more (one thread,
+/* Never: the tiles (12 rows x 2 groups, acc in L1) are as fast at 16 rows and more (one thread,
  * SmolLM2's linears, Zen 4: 16 rows 43 vs 43 GMAC/s, 64: 47 vs 46, 256: 45 vs 44). */
-#define GEMM_MIN_ROWS INT64_MAX
+#define GEMM_MIN_ROWS_Q4 INT64_MAX
+#define GEMM_MIN_ROWS_Q8 INT64_MAX
 #else
 #define GEMM_MT 4
+#define GEMM_MIN_ROWS_Q4 16 /* below, the tiles are faster */
+#define GEMM_MIN_ROWS_Q8 16
 #endif
-#ifndef GEMM_MIN_ROWS
-#define GEMM_MIN_ROWS 16 /* below, the tiles are faster */
-#endif
+#define GEMM_KC 8 /* blocks unpacked at a time: 16 KB of floats, in L1 beside a tile's x and acc */
 #define GEMM_NG GROUPS_PER_PANEL /* one panel of 16 columns per unit */
 
 /* Block b of one panel -> q[j][lane] (j = 0..31, in the tiles' j / j + 16 split: q[j] for input j). */
@@ -463,9 +469,24 @@ static inline __attribute__((always_inline)) void gemm_rows(const int fmt, const
                 const vf xj = vf_set1(x[i * ldx + j]);
                 for (int g = 0; g < GEMM_NG; g++) t[i][g] = vf_fma(xj, vf_loadf(q + j * LANES + g * VW), t[i][g]);
             }
-    else /* Q4: inputs j and j + 16 in turn, the nibbles of one byte */
+#if VW == 8
+    else /* Q4: inputs j and j + 16 in turn, the nibbles of one byte; one input's values in registers at a
+          * time (both inputs' at once spilled t at AVX2), the loop unrolled (a computed index cost 1.5x) */
+#pragma GCC unroll 16
+        for (int j = 0; j < QK / 2; j++)
+            for (int h = 0; h < 2; h++) {
+                const int jx = j + h * (QK / 2);
+                vf qv[GEMM_NG];
+                for (int g = 0; g < GEMM_NG; g++) qv[g] = vf_loadf(q + jx * LANES + g * VW);
+                for (int i = 0; i < mt; i++) {
+                    const vf xj = vf_set1(x[i * ldx + jx]);
+                    for (int g = 0; g < GEMM_NG; g++) t[i][g] = vf_fma(xj, qv[g], t[i][g]);
+                }
+            }
+#else /* the same order, both inputs' values loaded at once (the generic build's wide vectors spill otherwise) */
+    else
         for (int j = 0; j < QK / 2; j++) {
-            vf lo[GEMM_NG], hi[GEMM_NG]; /* loaded once for all rows */
+            vf lo[GEMM_NG], hi[GEMM_NG];
             for (int g = 0; g < GEMM_NG; g++) {
                 lo[g] = vf_loadf(q + j * LANES + g * VW);
                 hi[g] = vf_loadf(q + (j + QK / 2) * LANES + g * VW);
@@ -478,6 +499,7 @@ static inline __attribute__((always_inline)) void gemm_rows(const int fmt, const
                 }
             }
         }
+#endif
     for (int g = 0; g < GEMM_NG; g++) {
         const vf d = vf_f16((const uint16_t *)blk + g * VW);
         const vf m = fmt == QL_Q4_1 ? vf_f16((const uint16_t *)blk + LANES + g * VW) : vf_mul(d, vf_set1(-8.0f));
@@ -505,26 +527,33 @@ GEMM_FN(QL_Q8_0)
 GEMM_FN(QL_Q4_0)
 GEMM_FN(QL_Q4_1)
 
-/* Rows [0, rows) times one panel (16 columns) of a block format. `acc` is [rows][LANES] scratch. */
+/* Rows [0, rows) times one panel (16 columns) of a block format. `acc` is [rows][LANES] scratch, `q` holds the
+ * unpacked values of GEMM_KC blocks ([GEMM_KC][QK][LANES] floats). */
 static void gemm_panel(int fmt, const float *x, int64_t ldx, int64_t rows, const float *xsum, int64_t nb,
                        const uint8_t *panel, int64_t k, float *acc, float *q, float *y, int64_t ldy, int64_t col0,
                        int64_t n) {
     const int64_t step = panel_step_bytes(fmt), num_tiles = (rows + GEMM_MT - 1) / GEMM_MT;
-    for (int64_t b = 0; b < k / QK; b++) {
-        const uint8_t *blk = panel + b * step;
-        unpack_block(fmt, blk, q);
+    for (int64_t b0 = 0; b0 < k / QK; b0 += GEMM_KC) {
+        const int64_t b1 = b0 + GEMM_KC < k / QK ? b0 + GEMM_KC : k / QK;
+        for (int64_t b = b0; b < b1; b++) unpack_block(fmt, panel + b * step, q + (b - b0) * QK * LANES);
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t i0 = t * rows / num_tiles, i1 = (t + 1) * rows / num_tiles;
-            const float *xi = x + i0 * ldx + b * QK, *xs = xsum != NULL ? xsum + i0 * nb + b : NULL;
             float *a = acc + i0 * LANES;
-            if (fmt == QL_Q8_0) gemm_QL_Q8_0((int)(i1 - i0), xi, ldx, q, xs, nb, blk, b == 0, a);
-            else if (fmt == QL_Q4_0) gemm_QL_Q4_0((int)(i1 - i0), xi, ldx, q, xs, nb, blk, b == 0, a);
-            else gemm_QL_Q4_1((int)(i1 - i0), xi, ldx, q, xs, nb, blk, b == 0, a);
+            for (int64_t b = b0; b < b1; b++) {
+                const uint8_t *blk = panel + b * step;
+                const float *xi = x + i0 * ldx + b * QK, *xs = xsum != NULL ? xsum + i0 * nb + b : NULL;
+                const float *qb = q + (b - b0) * QK * LANES;
+                if (fmt == QL_Q8_0) gemm_QL_Q8_0((int)(i1 - i0), xi, ldx, qb, xs, nb, blk, b == 0, a);
+                else if (fmt == QL_Q4_0) gemm_QL_Q4_0((int)(i1 - i0), xi, ldx, qb, xs, nb, blk, b == 0, a);
+                else gemm_QL_Q4_1((int)(i1 - i0), xi, ldx, qb, xs, nb, blk, b == 0, a);
+            }
         }
     }
     const int64_t width = n - col0 < LANES ? n - col0 : LANES;
     for (int64_t i = 0; i < rows && width > 0; i++) memcpy(y + i * ldy + col0, acc + i * LANES, (size_t)width * sizeof(float));
 }
+
+static int64_t gemm_min_rows(int fmt) { return fmt == QL_Q8_0 ? GEMM_MIN_ROWS_Q8 : GEMM_MIN_ROWS_Q4; }
 
 /* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w^T, w packed by qlinear_pack. Returns 0, or -1 if
  * out of memory. */
@@ -537,13 +566,13 @@ int qlinear(int fmt, const float *x, int64_t ldx, int64_t m, const uint8_t *pack
     if (needs_sums && xsum == NULL) return -1;
     if (needs_sums) block_sums(x, ldx, m, k, xsum);
     const int64_t num_groups = padded_n(n) / VW;
-    if (is_block_format(fmt) && m >= GEMM_MIN_ROWS) {
+    if (is_block_format(fmt) && m >= gemm_min_rows(fmt)) {
         const int64_t num_panels = padded_n(n) / LANES;
         int status = 0;
 #pragma omp parallel num_threads(num_threads > 1 && num_panels > 1 ? num_threads : 1)
         {
             float *acc = aligned_alloc(64, (size_t)(MCHUNK * LANES) * sizeof(float));
-            float *q = aligned_alloc(64, (size_t)(QK * LANES) * sizeof(float));
+            float *q = aligned_alloc(64, (size_t)(GEMM_KC * QK * LANES) * sizeof(float));
             if (acc == NULL || q == NULL) {
 #pragma omp atomic write
                 status = -1;

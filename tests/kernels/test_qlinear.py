@@ -17,8 +17,12 @@ from asyncpp.kernels.qlinear import BLOCK_FORMATS, FORMATS, qlinear_kernel
 
 Q = gguf.GGMLQuantizationType
 LEVELS = [lv for lv in cpu_info().supported_levels if lv != "amx"]  # amx builds the C kernels like avx512_bf16
-# (rows, out_features, in_features): a GEMV, sizes off every tile / panel / 64-column boundary, 512 rows.
-SHAPES = [(1, 64, 32), (2, 17, 64), (5, 100, 96), (13, 333, 160), (1, 576, 576), (64, 200, 1536), (512, 70, 64)]
+# (rows, out_features, in_features): a GEMV, sizes off every tile / panel / 64-column boundary, 512 rows;
+# 40 rows x 10 blocks: the many-row path with a last run of blocks shorter than the others (GEMM_KC = 8).
+SHAPES = [
+    (1, 64, 32), (2, 17, 64), (5, 100, 96), (13, 333, 160), (1, 576, 576), (40, 50, 320), (64, 200, 1536),
+    (512, 70, 64),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=LEVELS)
