@@ -13,7 +13,10 @@
 # JSON in OUT_DIR. Needs the peers installed once: $PEERS/setup.sh (about 20 min on 2 cores).
 #
 # env: PEERS (default ../shared/peers next to this checkout), PEERS_DIR (their installs),
-#      PROMPTS_C1=16 PROMPTS_C16=64 PROMPTS_C64=128, SKIP="vllm-float32 ..." to leave servers out.
+#      PROMPTS_C1=16 PROMPTS_C16=64 PROMPTS_C64=128, SKIP="vllm-float32 ..." to leave servers out,
+#      ROUNDS=1: runs per server and concurrency, each with its own prompt set (seed = concurrency +
+#      1000 x round); with more than one the table gives the median and the range (shared machines
+#      move by 10-20% from one minute to the next).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PEERS=${PEERS:-$ROOT/../shared/peers}
@@ -22,14 +25,18 @@ mkdir -p "$OUT"
 declare -A PROMPTS=([1]=${PROMPTS_C1:-16} [16]=${PROMPTS_C16:-64} [64]=${PROMPTS_C64:-128})
 SKIP=${SKIP:-}
 PY=${PY:-python}
+ROUNDS=${ROUNDS:-1}
 
 lscpu > "$OUT/cpu.txt"
 
-load() {  # load NAME PORT CONCURRENCY
-  "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
-    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 --seed "$3" \
-    --json-out "$OUT/$1-c$3.json" >/dev/null
-  echo "  $1 c$3: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$OUT/$1-c$3.json")"
+load() {  # load NAME PORT CONCURRENCY: ROUNDS runs, files NAME-cC.json (round 1) and NAME-cC-rR.json
+  for r in $(seq 1 "$ROUNDS"); do
+    local f="$OUT/$1-c$3.json"; [ "$r" = 1 ] || f="$OUT/$1-c$3-r$r.json"
+    "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
+      --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
+      --seed "$(( $3 + 1000 * (r - 1) ))" --json-out "$f" >/dev/null
+    echo "  $1 c$3 round $r: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$f")"
+  done
 }
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 pid_of() { sed -n 's/.*pid \([0-9]*\).*/\1/p' | head -1; }
@@ -68,21 +75,23 @@ for variant in auto avx2 pp1; do
 done
 
 "$PY" - "$OUT" <<'PYEOF'
-import json, pathlib, sys
+import json, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
 servers = ["llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1"]
 rows = []
 for name in servers:
     cells = []
     for c in (1, 16, 64):
-        f = out / f"{name}-c{c}.json"
-        if f.exists():
-            d = json.loads(f.read_text())
-            cells.append(f"{d['output_tok_s']:.1f} ({d['tpot_ms_mean']:.1f})")
-        else:
+        runs = [json.loads(f.read_text()) for f in [out / f"{name}-c{c}.json", *sorted(out.glob(f"{name}-c{c}-r*.json"))] if f.exists()]
+        if not runs:
             cells.append("-")
+            continue
+        tok_s = [d["output_tok_s"] for d in runs]
+        tpot = statistics.median(d["tpot_ms_mean"] for d in runs)
+        spread = f" [{min(tok_s):.1f}-{max(tok_s):.1f}]" if len(runs) > 1 else ""
+        cells.append(f"{statistics.median(tok_s):.1f} ({tpot:.1f}){spread}")
     rows.append(f"| {name} | " + " | ".join(cells) + " |")
-print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos:")
+print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos; median [range] of the rounds:")
 print("| server | c1 | c16 | c64 |\n| --- | ---: | ---: | ---: |")
 print("\n".join(rows))
 (out / "table.md").write_text("\n".join(rows) + "\n")
