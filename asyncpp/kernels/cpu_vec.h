@@ -18,16 +18,20 @@ typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
-/* Elements [i, i + 16) of a float32 or bfloat16 row, as float32 (bfloat16 widens exactly). */
-static inline f32x16 load16(const char *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        u16x16 h;
-        memcpy(&h, row + i * 2, sizeof h);
-        return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+/* `static inline F NAME(const char *row, int64_t i, int dtype)`: the elements [i, i + lanes of F) of a float32
+ * or bfloat16 row, as float32 (bfloat16 widens exactly); U16 and U32 are F's lane counts in uint16 / uint32. */
+#define DEFINE_ROW_LOAD(NAME, F, U16, U32)                                  \
+    static inline F NAME(const char *row, int64_t i, int dtype) {          \
+        if (dtype == DTYPE_BF16) {                                          \
+            U16 h;                                                          \
+            memcpy(&h, row + i * 2, sizeof h);                              \
+            return (F)(__builtin_convertvector(h, U32) << 16);              \
+        }                                                                   \
+        F x;                                                                \
+        memcpy(&x, row + i * 4, sizeof x);                                  \
+        return x;                                                           \
     }
-    f32x16 x;
-    memcpy(&x, row + i * 4, sizeof x);
-    return x;
-}
+
+DEFINE_ROW_LOAD(load16, f32x16, u16x16, u32x16)
 
 #endif

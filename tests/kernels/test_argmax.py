@@ -10,8 +10,9 @@ from asyncpp.kernels.argmax import argmax_rows
 from asyncpp.kernels.build import load_kernel_library
 from asyncpp.kernels.isa import cpu_info, native_level
 
-# Around the kernel's 64-element main loop and its 16-lane sets, and the real vocabulary.
-LENGTHS = [1, 5, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 49152]
+# Around the kernel's main loop (4 sets of 4, 8 or 16 lanes: 16, 32 or 64 elements by level) and its
+# lane sets, and the real vocabulary.
+LENGTHS = [1, 3, 4, 5, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 1000, 49152]
 
 
 @pytest.fixture(scope="module", autouse=True)
