@@ -75,17 +75,31 @@ def test_add_rms_norm_matches_torch(ops, num_tokens, with_residual):
     assert _bf16_ulps(out, ref_out) <= 2
 
 
+def test_silu_mul_is_the_same_at_every_level():
+    # Below AVX-512 silu_mul runs a vector-type version of the loop AVX-512 builds vectorise themselves.
+    kernels = [k for k in (fused_ops("cpu", BF16, level) for level in LEVELS) if k is not None]
+    if len(kernels) < 2:
+        pytest.skip("one ISA level (or no C compiler) here")
+    g = torch.Generator().manual_seed(3)
+    gate_up = (30 * torch.randn(37, 2 * 100, generator=g)).to(BF16)  # |x| past the exp clamp (87) too
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e30, -1e30, 1e-30, -1e-30]).to(BF16)
+    first = kernels[0].silu_mul(gate_up)
+    for k in kernels[1:]:
+        assert torch.equal(k.silu_mul(gate_up).view(torch.int16), first.view(torch.int16))
+
+
 @pytest.mark.parametrize("num_tokens", [1, 64, 257])
-def test_silu_mul_matches_torch(ops, num_tokens):
+@pytest.mark.parametrize("inter", [96, 100])  # 100: a partial vector of 4 at the end of each row
+def test_silu_mul_matches_torch(ops, num_tokens, inter):
     arch = ModelArch(
-        vocab_size=10, hidden_size=32, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
+        vocab_size=10, hidden_size=32, intermediate_size=inter, num_layers=1, num_heads=2, num_kv_heads=1,
         head_dim=16, rope_theta=1e4, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=64,
         bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     mlp = MLP(arch)
     g = torch.Generator().manual_seed(0)
-    gate_up = (4 * torch.randn(num_tokens, 192, generator=g)).to(BF16)
-    gate, up = gate_up.split(96, dim=-1)
+    gate_up = (4 * torch.randn(num_tokens, 2 * inter, generator=g)).to(BF16)
+    gate, up = gate_up.split(inter, dim=-1)
     ref = F.silu(gate) * up
     out = ops.silu_mul(gate_up)
     assert out.shape == ref.shape
