@@ -46,10 +46,9 @@ static inline void fold(float v, int64_t vi, float *best, int64_t *best_idx) {
 #endif
 typedef float f32xa __attribute__((vector_size(AW * 4)));
 typedef int32_t i32xa __attribute__((vector_size(AW * 4)));
-typedef uint32_t u32xa __attribute__((vector_size(AW * 4)));
 typedef uint16_t u16xa __attribute__((vector_size(AW * 2)));
 
-DEFINE_ROW_LOAD(load_aw, f32xa, u16xa, u32xa) /* elements [i, i + AW) of a row */
+DEFINE_ROW_LOAD(load_aw, f32xa, u16xa) /* elements [i, i + AW) of a row */
 
 /* SETS independent lane sets break the compare-and-select dependency chain (4x faster than one). */
 #define SETS 4
