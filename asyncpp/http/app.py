@@ -96,13 +96,8 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
     async def on_invalid_request(request: Request, e: InvalidRequestError) -> JSONResponse:
         return invalid(e).response()
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            auth = request.headers.get("authorization", "")
-            if not secrets.compare_digest(auth.encode(), f"Bearer {settings.api_key}".encode()):
-                return ApiError(401, "missing or wrong API key", "AuthenticationError", code="invalid_api_key").response()
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=settings.api_key)
 
     async def parse(request: Request, model_cls):
         try:
@@ -230,6 +225,23 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
             metrics.request_done(times, finish)
 
     return app
+
+
+class _ApiKeyCheck:
+    """Refuses /v1/ requests without `Authorization: Bearer <api_key>`. Plain ASGI: starlette's
+    `BaseHTTPMiddleware` would relay every streamed chunk through a memory stream and a task."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            auth = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not secrets.compare_digest(auth, self.expected):
+                error = ApiError(401, "missing or wrong API key", "AuthenticationError", code="invalid_api_key")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Formatter:

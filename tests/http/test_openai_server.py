@@ -226,6 +226,9 @@ def test_api_key_required_when_set(tmp_path, tiny_hf_dir):
         assert r.status_code == 401
         good = openai.OpenAI(base_url=f"{base}/v1", api_key="s3cret")
         assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        chunks = list(good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=3, stream=True))
+        assert sum(len(c.choices) for c in chunks) == 3  # a stream passes the key check chunk by chunk
+        assert httpx.get(f"{base}/health").status_code == 200  # outside /v1/: no key
 
 
 def test_non_loopback_http_without_a_key_is_refused_at_start_up(tmp_path, tiny_hf_dir):
