@@ -74,33 +74,18 @@ at start-up, so alone it always fits) and always progresses.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
-from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, NewRequestData, ScheduledRequest, StepPlan
+from asyncpp.core.plan import NewRequestData, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
+from asyncpp.core.step_builder import StepBuilder
 from asyncpp.core.stop import check_stop
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.core.scheduler_kv import KVTransferScheduling
 from asyncpp.kv_transfer.base import KVConnectorScheduler
 from asyncpp.kv_transfer.metadata import KVConnectorOutput
-
-
-@dataclass
-class _StepBuilder:
-    num_budget_tokens: int
-    max_num_reqs: int | None
-    num_prefill_budget: int  # prompt tokens (every token but a lone decode one) still allowed
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    has_placeholders: bool = False
-
-    @property
-    def has_room(self) -> bool:
-        return self.num_budget_tokens > 0 and (self.max_num_reqs is None or len(self.scheduled) < self.max_num_reqs)
 
 
 class Scheduler(KVTransferScheduling):
@@ -246,7 +231,7 @@ class Scheduler(KVTransferScheduling):
         num_prefill_budget = self.max_num_batched_tokens
         if max_num_prefill_tokens is not None and self.enable_chunked_prefill:
             num_prefill_budget = max(1, max_num_prefill_tokens)
-        step = _StepBuilder(self.max_num_batched_tokens, max_num_reqs, num_prefill_budget)
+        step = StepBuilder(self._next_step_id, self.max_num_batched_tokens, max_num_reqs, num_prefill_budget)
         is_blocked = False  # a running request was preempted or stalled: admit nobody new
         running = self._queues.running
         i = 0
@@ -271,7 +256,7 @@ class Scheduler(KVTransferScheduling):
             if self._allocate_running(request, num_new_tokens, num_placeholders):
                 if num_new_tokens > 1:
                     step.num_prefill_budget -= num_new_tokens
-                self._add_to_step(step, request, num_new_tokens, num_placeholders)
+                step.add(request, num_new_tokens, self._block_manager.block_ids(request.request_id), num_placeholders)
             else:
                 is_blocked = True
             if request.status is RequestStatus.RUNNING:  # else it preempted itself and left the list
@@ -395,7 +380,7 @@ class Scheduler(KVTransferScheduling):
             self._preempt(request)
             return False
 
-    def _admit_waiting(self, step: _StepBuilder) -> None:
+    def _admit_waiting(self, step: StepBuilder) -> None:
         queues = self._queues
         while queues.waiting and step.has_room and len(queues.running) < self.max_num_seqs:
             if self._block_manager.num_free_blocks == 0 or step.num_prefill_budget == 0:
@@ -439,33 +424,7 @@ class Scheduler(KVTransferScheduling):
                 )
             )
             self._runner_known_ids.add(request.request_id)
-            self._add_to_step(step, request, num_new_tokens)
-
-    def _add_to_step(
-        self, step: _StepBuilder, request: Request, num_new_tokens: int, num_placeholders: int = 0
-    ) -> None:
-        start = request.num_computed_tokens
-        end = start + num_new_tokens
-        if num_placeholders:
-            token_ids = [PLACEHOLDER_TOKEN_ID] * num_placeholders
-            step.has_placeholders = True
-        else:
-            token_ids = request.token_ids_between(start, end)
-        step.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=token_ids,
-                start_position=start,
-                block_ids=self._block_manager.block_ids(request.request_id),
-                do_sample=end == request.num_tokens + request.num_placeholders + num_placeholders,
-            )
-        )
-        step.cohort.append(request)
-        step.num_budget_tokens -= num_new_tokens
-        request.num_computed_tokens = end
-        request.num_placeholders += num_placeholders
-        request.num_in_flight += 1
-        request.last_step_id = self._next_step_id
+            step.add(request, num_new_tokens, self._block_manager.block_ids(request.request_id))
 
     def _preempt(self, request: Request) -> None:
         """Recompute later: free its KV and put it back in the waiting queue by arrival order."""

@@ -20,6 +20,7 @@ from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 
 if TYPE_CHECKING:
     from asyncpp.core.request_queues import RequestQueues
+    from asyncpp.core.step_builder import StepBuilder
     from asyncpp.kv.block_manager import BlockManager
 
 
@@ -92,7 +93,7 @@ class KVTransferScheduling:
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
 
-    def _build_connector_meta(self, step) -> KVConnectorMetadata:
+    def _build_connector_meta(self, step: StepBuilder) -> KVConnectorMetadata:
         bm = self._block_manager
         scheduled = [(r, s.start_position, s.num_tokens) for r, s in zip(step.cohort, step.scheduled)]
         return self.connector.build_connector_meta(
