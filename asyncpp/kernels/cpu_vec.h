@@ -44,8 +44,8 @@ static inline u32x4 widen_bf16x4(u16x4 h) { return __builtin_convertvector(h, u3
 
 /* `static inline F NAME(const char *row, int64_t i, int dtype)`: the elements [i, i + lanes of F) of a float32
  * or bfloat16 row, as float32 (bfloat16 widens exactly); U16 is F's lane count in uint16 (16, 8 or 4). */
-#define DEFINE_ROW_LOAD(NAME, F, U16)                                  \
-    static inline F NAME(const char *row, int64_t i, int dtype) {          \
+#define DEFINE_ROW_LOAD(NAME, F, U16)                                       \
+    static inline F NAME(const char *row, int64_t i, int dtype) {           \
         if (dtype == DTYPE_BF16) {                                          \
             U16 h;                                                          \
             memcpy(&h, row + i * 2, sizeof h);                              \

@@ -271,19 +271,7 @@ static inline void softmax_group(float *scores, int64_t stride, int64_t ctx, con
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-/* Elements [i, i + 8) of a float32 or bfloat16 row, as float32. bfloat16 is widened by one shuffle of
- * the 8 elements loaded into both 128-bit halves (each to the high half of its lane, zero below). */
-static inline f32x8 load8(const char *row, int64_t i, int dtype) {
-    if (dtype == DTYPE_BF16) {
-        const __m256i to_high = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,
-                                                 -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
-        const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(row + i * 2)));
-        return (f32x8)_mm256_shuffle_epi8(h, to_high);
-    }
-    f32x8 x;
-    memcpy(&x, row + i * 4, sizeof x);
-    return x;
-}
+DEFINE_ROW_LOAD(load8, f32x8, u16x8) /* elements [i, i + 8) of a row (cpu_vec.h) */
 
 /* The 8-lane sums of q * k over a key's chunks for `group` heads, head g's in w[g]: a chunk's halves
  * accumulated apart (the lanes of hsum16's input), then added (hsum16's first step, lane l + lane l+8).

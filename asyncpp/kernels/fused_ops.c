@@ -165,7 +165,7 @@ static inline u32x16 narrow16(f32x16 f) {
     return (u32x16)(((i32x16)quiet & is_nan) | ((i32x16)rounded & ~is_nan));
 }
 
-/* bfloat16 bits in each lane's low half -> float32, exactly (widen() on 16 lanes). */
+/* bfloat16 bits in each lane's low half (narrow16's result) -> float32, exactly. */
 static inline f32x16 widen16(u32x16 h) { return (f32x16)(h << 16); }
 
 /* out[0, n) = bf16(bf16(silu(gate)) * up) for n <= 16 bfloat16 elements; a partial vector is zero-padded.
@@ -175,8 +175,8 @@ static inline void silu_mul16_bf16(const uint16_t *gate, const uint16_t *up, uin
     u16x16 g = {0}, u = {0};
     memcpy(&g, gate, n * sizeof gate[0]);
     memcpy(&u, up, n * sizeof up[0]);
-    const f32x16 s = widen16(narrow16(silu16(widen16(__builtin_convertvector(g, u32x16)))));
-    const u16x16 o = __builtin_convertvector(narrow16(s * widen16(__builtin_convertvector(u, u32x16))), u16x16);
+    const f32x16 s = widen16(narrow16(silu16((f32x16)widen_bf16x16(g))));
+    const u16x16 o = __builtin_convertvector(narrow16(s * (f32x16)widen_bf16x16(u)), u16x16);
     memcpy(out, &o, n * sizeof out[0]);
 }
 
