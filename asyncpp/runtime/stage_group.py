@@ -2,7 +2,7 @@
 
 Owns the child processes and the names of their shared-memory rings, so that
 whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
-and every segment unlinked. A stage whose ISA level is below the CPU's best
+and every segment unlinked, torch's own included (`unlink_torch_shm`). A stage whose ISA level is below the CPU's best
 starts with `torch_isa_env(level)` in its environment (torch reads it when
 the child imports it), set around that child's start only. CPU stages also
 start with a short OpenMP spin (`openmp_env`) unless the user chose one, and
@@ -20,6 +20,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from multiprocessing import shared_memory
+from pathlib import Path
 
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.runtime.addresses import RunAddresses
@@ -137,7 +138,7 @@ class StageGroup:
         self.reap()
 
     def reap(self) -> None:
-        """Terminate, then kill, whatever still runs; unlink every ring; remove the run dir."""
+        """Terminate, then kill, whatever still runs; unlink every ring and torch file; remove the run dir."""
         for p in self.procs:
             if p.exitcode is None:
                 p.terminate()
@@ -146,6 +147,9 @@ class StageGroup:
             if p.exitcode is None:
                 p.kill()
                 p.join(timeout=2.0)
+        for p in self.procs:
+            if p.pid is not None:
+                unlink_torch_shm(p.pid)
         for name in self.addresses.ring_names(self.pp_size):
             try:
                 seg = shared_memory.SharedMemory(name=name)
@@ -157,6 +161,22 @@ class StageGroup:
             q.close()
         self.outputs.close()
         shutil.rmtree(self.addresses.run_dir, ignore_errors=True)
+
+
+def unlink_torch_shm(pid: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink the shared-memory files torch made in the (dead) process `pid`; their names.
+
+    Sharing CUDA memory (the CUDA IPC ring's `_share_cuda_`) makes torch keep a
+    reference counter in `/dev/shm/torch_<pid>_<random>_<n>`, which only the
+    last process to close it unlinks: a stage that exits, or is killed, with
+    the ring still open leaves it behind. Call this once `pid` has been reaped.
+    """
+    removed = []
+    for path in shm_dir.glob(f"torch_{pid}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path.name)
+    return removed
 
 
 def openmp_env(device: str, environ) -> dict[str, str]:

@@ -11,6 +11,7 @@ import pytest
 
 from asyncpp.client import AsyncClient
 from asyncpp.errors import EngineDeadError
+from asyncpp.runtime.stage_group import unlink_torch_shm
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_prompts
 from tests.runtime.conftest import poll_until, wait_until
@@ -79,3 +80,13 @@ async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, v
         assert shm_segments(f"asyncpp-{run_id}") == []
         assert set(shm_segments("torch_")) <= torch_files_before
         assert "stage_died" in engine.log_file.read_text()
+
+
+def test_unlink_torch_shm_removes_only_that_process_files(tmp_path):
+    # torch names its shared-memory files /dev/shm/torch_<pid>_<random>_<n>; pid 12's files
+    # must go, and neither pid 123's nor anything else.
+    for name in ["torch_12_4242_0", "torch_12_4242_1", "torch_123_77_0", "asyncpp-12-ring", "torch_x"]:
+        (tmp_path / name).write_bytes(b"\0" * 8)
+    assert sorted(unlink_torch_shm(12, tmp_path)) == ["torch_12_4242_0", "torch_12_4242_1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["asyncpp-12-ring", "torch_123_77_0", "torch_x"]
+    assert unlink_torch_shm(12, tmp_path) == []
