@@ -4,7 +4,8 @@
 - pp = 1, 2, 3 (in-process and launched, through CUDA IPC) and graphs on/off give identical tokens;
 - the ring moves activations between two processes without host synchronisation, and a notice
   with the wrong keys or too many tokens is refused while later steps still work;
-- bfloat16 on SmolLM2-135M's shape equals `transformers` bfloat16 for 32 tokens (first divergence printed).
+- bfloat16 on SmolLM2-135M's shape follows `transformers` bfloat16 for 32 tokens: where the tokens
+  differ, asyncpp's is a float32 near-tie (within bfloat16's own error of the best).
 """
 
 from __future__ import annotations
@@ -161,17 +162,47 @@ def smollm2_shape_dir(tmp_path_factory):
     return directory
 
 
+def bfloat16_divergences(hf16, hf32, prompts, results, max_new_tokens: int) -> list[tuple[int, float, float] | None]:
+    """Per prompt: None where asyncpp's tokens equal `transformers` bfloat16's, else (step, gap, noise).
+
+    At the first step where they differ, on the context both agree on: `gap` is how far asyncpp's
+    token lies below the best token in float32 (transformers float32 logits), `noise` is bfloat16's
+    own error there (the largest |bfloat16 - float32| logit of transformers on that context).
+    """
+    device = next(hf16.parameters()).device
+    out = []
+    for prompt, tokens in zip(prompts, results, strict=True):
+        expected = hf_greedy(hf16, prompt, max_new_tokens)
+        step = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        if step is None:
+            out.append(None)
+            continue
+        context = torch.tensor([prompt + expected[:step]], device=device)
+        with torch.no_grad():
+            ref16 = hf16(context).logits[0, -1].float()
+            ref32 = hf32(context).logits[0, -1].float()
+        gap = (ref32.max() - ref32[tokens[step]]).item()
+        out.append((step, gap, (ref16 - ref32).abs().max().item()))
+    return out
+
+
 @pytest.mark.slow
-def test_bfloat16_smollm2_shape_equals_transformers_bfloat16(smollm2_shape_dir):
+def test_bfloat16_smollm2_shape_follows_transformers(smollm2_shape_dir):
+    """bfloat16 on SmolLM2-135M's shape against `transformers` on the same GPU.
+
+    Two bfloat16 implementations round differently (cuBLAS picks its kernels by batch shape;
+    the attention kernels sum in different orders), so equal tokens are the float32 standard
+    (tested above), not bfloat16's: where asyncpp leaves `transformers` bfloat16, its token must
+    be a near-tie in float32, within twice bfloat16's own error of the best. A wrong kernel
+    picks tokens far from the top (the random shape's logits spread over several units).
+    """
     transformers = pytest.importorskip("transformers")
-    hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_shape_dir, torch_dtype=torch.bfloat16).to("cuda").eval()
+    load = transformers.LlamaForCausalLM.from_pretrained
+    hf16 = load(smollm2_shape_dir, torch_dtype=torch.bfloat16).to("cuda").eval()
+    hf32 = load(smollm2_shape_dir, torch_dtype=torch.float32).to("cuda").eval()
     config = cuda_config(smollm2_shape_dir, model={"dtype": "bfloat16", "max_model_len": 512}, cache={"kv_cache_memory_mb": 256})
-    engine = Engine(config)
     prompts = tiny_prompts(49152, 6, seed=3)
-    divergences = []
-    for prompt, result in zip(prompts, engine.generate(prompts, GREEDY_32)):
-        expected = hf_greedy(hf, prompt, 32)
-        first = next((i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b), None)
-        divergences.append(first)
-    print(f"\nfirst divergence per prompt (None = all 32 equal): {divergences}")
-    assert divergences == [None] * len(prompts)
+    results = [r.token_ids for r in Engine(config).generate(prompts, GREEDY_32)]
+    divergences = bfloat16_divergences(hf16, hf32, prompts, results, 32)
+    print(f"\nfirst divergence per prompt (None = all 32 equal; else step, float32 gap, bfloat16 noise): {divergences}")
+    assert all(d is None or d[1] <= 2 * d[2] for d in divergences), divergences
