@@ -17,6 +17,12 @@
 #      ROUNDS=1: runs per server and concurrency, each with its own prompt set (seed = concurrency +
 #      1000 x round); with more than one the table gives the median and the range (shared machines
 #      move by 10-20% from one minute to the next).
+# Rounds are interleaved: round r runs every server in turn (vLLM, llama.cpp, asyncpp's variants) on
+# round r's prompts before round r + 1 starts, so a slow spell of the machine falls on all of them
+# alike, and the table's ratio column is asyncpp-auto over the round's faster peer, per round, then
+# the median [range]. vLLM compiles for minutes at every start, so its servers start once and stay
+# up (idle, ~1% of a core) while the others run; llama.cpp and asyncpp start and stop within each
+# round. A vLLM server already answering on its port (8100 bfloat16, 8101 float32) is used and left up.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PEERS=${PEERS:-$ROOT/../shared/peers}
@@ -29,68 +35,106 @@ ROUNDS=${ROUNDS:-1}
 
 lscpu > "$OUT/cpu.txt"
 
-load() {  # load NAME PORT CONCURRENCY: ROUNDS runs, files NAME-cC.json (round 1) and NAME-cC-rR.json
-  for r in $(seq 1 "$ROUNDS"); do
-    local f="$OUT/$1-c$3.json"; [ "$r" = 1 ] || f="$OUT/$1-c$3-r$r.json"
-    "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
-      --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
-      --seed "$(( $3 + 1000 * (r - 1) ))" --json-out "$f" >/dev/null
-    echo "  $1 c$3 round $r: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$f")"
-  done
+load() {  # load NAME PORT CONCURRENCY ROUND: file NAME-cC.json (round 1) or NAME-cC-rR.json
+  local r=$4 f="$OUT/$1-c$3.json"; [ "$4" = 1 ] || f="$OUT/$1-c$3-r$4.json"
+  "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
+    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
+    --seed "$(( $3 + 1000 * (r - 1) ))" --json-out "$f" >/dev/null
+  echo "  $1 c$3 round $r: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$f")"
 }
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
-pid_of() { sed -n 's/.*pid \([0-9]*\).*/\1/p' | head -1; }
+# The start scripts' lines, shown on stderr, and the pid they name (`tee /dev/stderr` would reopen a
+# redirected stderr and truncate the caller's log).
+pid_of() { local out; out=$(cat); echo "$out" >&2; echo "$out" | sed -n 's/.*pid \([0-9]*\).*/\1/p' | head -1; }
 
-if ! skip llamacpp; then
-  for c in 1 16 64; do
-    np=16; ctx=4096; if [ "$c" = 64 ]; then np=64; ctx=16384; fi  # -c is split over the -np slots
-    pid=$(NP=$np CTX=$ctx "$PEERS/start-llamacpp.sh" | tee /dev/stderr | pid_of)
-    load llamacpp 8200 "$c"
-    "$PEERS/stop.sh" "$pid" >/dev/null
-  done
-fi
-
-for dtype in float32 bfloat16; do
+declare -A VLLM_PORT=([float32]=8101 [bfloat16]=8100)
+VLLM_PIDS=()
+stop_vllm() { for pid in "${VLLM_PIDS[@]}"; do "$PEERS/stop.sh" "$pid" >/dev/null; done; }
+trap stop_vllm EXIT
+for dtype in float32 bfloat16; do  # one at a time: each compiles on both cores for minutes
   skip "vllm-$dtype" && continue
-  pid=$(DTYPE=$dtype VLLM_CPU_OMP_THREADS_BIND=0-1 "$PEERS/start-vllm.sh" | tee /dev/stderr | pid_of)
-  for c in 1 16 64; do load "vllm-$dtype" 8100 "$c"; done
-  "$PEERS/stop.sh" "$pid" >/dev/null
+  if curl -sf "http://127.0.0.1:${VLLM_PORT[$dtype]}/health" >/dev/null 2>&1; then  # started by hand: kept
+    echo "vllm-$dtype: reusing the server on port ${VLLM_PORT[$dtype]}"
+    continue
+  fi
+  VLLM_PIDS+=("$(PORT=${VLLM_PORT[$dtype]} DTYPE=$dtype VLLM_CPU_OMP_THREADS_BIND=0-1 "$PEERS/start-vllm.sh" | pid_of)")
 done
 
-for variant in auto avx2 pp1; do
-  skip "asyncpp-$variant" && continue
-  config="$OUT/asyncpp-$variant.toml"
-  case $variant in
-    avx2) sed 's/^cpu_isa = "auto"/cpu_isa = "avx2"/' "$ROOT/configs/default.toml" > "$config" ;;
-    pp1) sed -e 's/^pp_size = 2/pp_size = 1/' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
-    *) cp "$ROOT/configs/default.toml" "$config" ;;
-  esac
-  log="$OUT/asyncpp-$variant.log"
-  (cd "$ROOT" && setsid "$PY" -m asyncpp.launch --config "$config" --http-port 8300 >"$log" 2>&1 &)
-  for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8300/health >/dev/null 2>&1 && break; sleep 1; done
-  grep -m1 "asyncpp ready" "$log" || true
-  for c in 1 16 64; do load "asyncpp-$variant" 8300 "$c"; done
-  pkill -INT -f "asyncpp.launch --config $config" || true
-  for _ in $(seq 1 30); do pgrep -f "asyncpp.launch --config $config" >/dev/null || break; sleep 1; done
+for r in $(seq 1 "$ROUNDS"); do
+  echo "== round $r"
+  for dtype in float32 bfloat16; do
+    skip "vllm-$dtype" && continue
+    for c in 1 16 64; do load "vllm-$dtype" "${VLLM_PORT[$dtype]}" "$c" "$r"; done
+  done
+
+  if ! skip llamacpp; then
+    for c in 1 16 64; do
+      np=16; ctx=4096; if [ "$c" = 64 ]; then np=64; ctx=16384; fi  # -c is split over the -np slots
+      pid=$(NP=$np CTX=$ctx "$PEERS/start-llamacpp.sh" | pid_of)
+      load llamacpp 8200 "$c" "$r"
+      "$PEERS/stop.sh" "$pid" >/dev/null
+    done
+  fi
+
+  for variant in auto avx2 pp1; do
+    skip "asyncpp-$variant" && continue
+    config="$OUT/asyncpp-$variant.toml"
+    case $variant in
+      avx2) sed 's/^cpu_isa = "auto"/cpu_isa = "avx2"/' "$ROOT/configs/default.toml" > "$config" ;;
+      pp1) sed -e 's/^pp_size = 2/pp_size = 1/' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
+      *) cp "$ROOT/configs/default.toml" "$config" ;;
+    esac
+    log="$OUT/asyncpp-$variant-r$r.log"
+    (cd "$ROOT" && setsid "$PY" -m asyncpp.launch --config "$config" --http-port 8300 >"$log" 2>&1 &)
+    for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8300/health >/dev/null 2>&1 && break; sleep 1; done
+    grep -m1 "asyncpp ready" "$log" || true
+    for c in 1 16 64; do load "asyncpp-$variant" 8300 "$c" "$r"; done
+    pkill -INT -f "asyncpp.launch --config $config" || true
+    for _ in $(seq 1 30); do pgrep -f "asyncpp.launch --config $config" >/dev/null || break; sleep 1; done
+  done
 done
 
 "$PY" - "$OUT" <<'PYEOF'
 import json, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
 servers = ["llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1"]
+peers = ["llamacpp", "vllm-float32", "vllm-bfloat16"]
+
+
+def runs(name: str, c: int) -> dict[int, dict]:
+    """Round -> that round's result."""
+    files = {1: out / f"{name}-c{c}.json", **{int(f.stem.rsplit("-r", 1)[1]): f for f in out.glob(f"{name}-c{c}-r*.json")}}
+    return {r: json.loads(f.read_text()) for r, f in files.items() if f.exists()}
+
+
 rows = []
 for name in servers:
     cells = []
     for c in (1, 16, 64):
-        runs = [json.loads(f.read_text()) for f in [out / f"{name}-c{c}.json", *sorted(out.glob(f"{name}-c{c}-r*.json"))] if f.exists()]
-        if not runs:
+        got = list(runs(name, c).values())
+        if not got:
             cells.append("-")
             continue
-        tok_s = [d["output_tok_s"] for d in runs]
-        tpot = statistics.median(d["tpot_ms_mean"] for d in runs)
-        spread = f" [{min(tok_s):.1f}-{max(tok_s):.1f}]" if len(runs) > 1 else ""
+        tok_s = [d["output_tok_s"] for d in got]
+        tpot = statistics.median(d["tpot_ms_mean"] for d in got)
+        spread = f" [{min(tok_s):.1f}-{max(tok_s):.1f}]" if len(got) > 1 else ""
         cells.append(f"{statistics.median(tok_s):.1f} ({tpot:.1f}){spread}")
     rows.append(f"| {name} | " + " | ".join(cells) + " |")
+# asyncpp-auto against the round's faster peer: c1 by TPOT (llama.cpp's, the target), c16 / c64 by tok/s.
+ratio_cells = []
+for c in (1, 16, 64):
+    ours, ratios = runs("asyncpp-auto", c), []
+    for r, d in sorted(ours.items()):
+        if c == 1:
+            ref = runs("llamacpp", c).get(r)
+            if ref:
+                ratios.append(d["tpot_ms_mean"] / ref["tpot_ms_mean"])
+        else:
+            best = max((runs(p, c)[r]["output_tok_s"] for p in peers if r in runs(p, c)), default=None)
+            if best:
+                ratios.append(d["output_tok_s"] / best)
+    ratio_cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-")
+rows.append("| asyncpp-auto / faster peer, per round (c1: TPOT / llama.cpp's) | " + " | ".join(ratio_cells) + " |")
 print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos; median [range] of the rounds:")
 print("| server | c1 | c16 | c64 |\n| --- | ---: | ---: | ---: |")
 print("\n".join(rows))
