@@ -2,9 +2,10 @@
 
 Owns the child processes and the names of their shared-memory rings, so that
 whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
-and every segment unlinked, torch's own included (`unlink_torch_shm`). A stage whose ISA level is below the CPU's best
-starts with `torch_isa_env(level)` in its environment (torch reads it when
-the child imports it), set around that child's start only. CPU stages also
+and every segment unlinked, torch's own included (`unlink_torch_shm`). A
+stage whose ISA level is below the CPU's best starts with
+`torch_isa_env(level)` in its environment (torch reads it when the child
+imports it), set around that child's start only. CPU stages also
 start with a short OpenMP spin (`openmp_env`) unless the user chose one, and
 with their threads bound to their CPUs (`StageArgs.cpus`, `cpu_affinity`)
 unless the user chose a binding.
