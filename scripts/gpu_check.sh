@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a lent GPU machine (see ../shared/device/README.md):
 # the CUDA tests (only the files that hold them: the image lacks the HTTP server's packages),
-# the hand-off benchmark, the serving benchmark (pp=1/2, graphs on/off, c = 1..256) and
+# the hand-off benchmark, the serving benchmark (pp=1/2, graphs on/off, c = 1, 64, 256) and
 # transformers generate on the same GPU. Reports go to $OUT (default ./gpu-out).
 #
 #   ../shared/device/wheels.sh                # here, once: fills .whl (carry it)
-#   run: bash scripts/gpu_check.sh            # there, with carry [".whl"]
+#   run: bash scripts/gpu_check.sh            # there, with carry [".whl"] and timeout_s 600
 #
-# Sized by the environment, to fit a short lease:
-#   CONCURRENCIES        default "1 16 64 256"
-#   RUNS                 default pp=1/2 x graphs on/off
+# The defaults fit one device call: on an H200 (2026-11-26) these settings took 530 s with 32
+# prompts at c = 1 and a 115 s limit per concurrency, which cut c = 1's graphs-off run short;
+# 16 prompts there halve it. Sized by the environment:
+#   CONCURRENCIES        default "1 64 256" (prompts: 4 per concurrency, at least 16)
+#   RUNS                 default "pp=1;pp=2;pp=1,graphs=false"
 #   COMPARE_AT           the concurrency that also runs transformers (default 64; "" for none)
-#   COMPARE_BATCH_SIZES  its static batches (default 1,64,256)
-#   TEST_TIMEOUT         s per CUDA test (default 150)
-#   TESTS_TIMEOUT        s for all the tests (default 400)
-#   SERVE_TIMEOUT        s per concurrency (default 600)
-# Seen on an H200 (2026-11-26), with CONCURRENCIES="1 64 256" RUNS="pp=1;pp=2;pp=1,graphs=false"
-# COMPARE_BATCH_SIZES=64,256 SERVE_TIMEOUT=115: 530 s; c=1 with graphs off needs more than 115 s.
+#   COMPARE_BATCH_SIZES  its static batches (default 64,256; batch 1 takes ~80 ms a token)
+#   TEST_TIMEOUT         s per CUDA test (default 120)
+#   TESTS_TIMEOUT        s for all the tests (default 200; they took 93 s)
+#   SERVE_TIMEOUT        s per concurrency (default 150)
 set -uo pipefail
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -33,7 +33,7 @@ cat "$OUT/machine.txt"
 $PY -m asyncpp.weights.export_random smollm2-135m /tmp/smollm2-shape > /dev/null
 
 echo "== CUDA tests"
-timeout "${TESTS_TIMEOUT:-400}" $PY -m pytest -q -ra -m cuda -p no:cacheprovider --timeout "${TEST_TIMEOUT:-150}" \
+timeout "${TESTS_TIMEOUT:-200}" $PY -m pytest -q -ra -m cuda -p no:cacheprovider --timeout "${TEST_TIMEOUT:-120}" \
   tests/cuda tests/runtime/test_stage_death.py tests/kernels/test_triton_attention.py > "$OUT/cuda_tests.txt" 2>&1
 tail -15 "$OUT/cuda_tests.txt"
 
@@ -42,12 +42,12 @@ timeout 120 $PY -m asyncpp.bench.handoff --device cuda --result-json "$OUT/hando
 
 echo "== serving benchmark"
 CFG=configs/gpu-smollm2-shape.toml
-RUNS=${RUNS:-"pp=1;pp=2;pp=1,graphs=false;pp=2,graphs=false"}
-for c in ${CONCURRENCIES:-1 16 64 256}; do
-  n=$(( c * 4 < 32 ? 32 : c * 4 ))
+RUNS=${RUNS:-"pp=1;pp=2;pp=1,graphs=false"}
+for c in ${CONCURRENCIES:-1 64 256}; do
+  n=$(( c * 4 < 16 ? 16 : c * 4 ))
   extra=()
-  if [ "$c" = "${COMPARE_AT-64}" ]; then extra=(--compare transformers --compare-batch-sizes "${COMPARE_BATCH_SIZES:-1,64,256}"); fi
-  timeout "${SERVE_TIMEOUT:-600}" $PY -m asyncpp.bench --config $CFG --runs "$RUNS" --max-concurrency $c --num-prompts $n \
+  if [ "$c" = "${COMPARE_AT-64}" ]; then extra=(--compare transformers --compare-batch-sizes "${COMPARE_BATCH_SIZES:-64,256}"); fi
+  timeout "${SERVE_TIMEOUT:-150}" $PY -m asyncpp.bench --config $CFG --runs "$RUNS" --max-concurrency $c --num-prompts $n \
     --random-input-len 64 --random-output-len 128 --result-json "$OUT/serve_c$c.json" "${extra[@]}" \
     > "$OUT/serve_c$c.txt" 2>&1
   echo "-- concurrency $c"; grep -E "TPOT|output tok/s|Output token throughput|ratio|transformers" "$OUT/serve_c$c.txt" | head -20
