@@ -36,7 +36,7 @@ ROUNDS=${ROUNDS:-1}
 lscpu > "$OUT/cpu.txt"
 
 load() {  # load NAME PORT CONCURRENCY ROUND: file NAME-cC.json (round 1) or NAME-cC-rR.json
-  local r=$4 f="$OUT/$1-c$3.json"; [ "$4" = 1 ] || f="$OUT/$1-c$3-r$4.json"
+  local r=$4 f="$OUT/$1-c$3.json"; [ "$r" = 1 ] || f="$OUT/$1-c$3-r$r.json"
   "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
     --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
     --seed "$(( $3 + 1000 * (r - 1) ))" --json-out "$f" >/dev/null
@@ -107,11 +107,12 @@ def runs(name: str, c: int) -> dict[int, dict]:
     return {r: json.loads(f.read_text()) for r, f in files.items() if f.exists()}
 
 
+results = {(name, c): runs(name, c) for name in servers for c in (1, 16, 64)}
 rows = []
 for name in servers:
     cells = []
     for c in (1, 16, 64):
-        got = list(runs(name, c).values())
+        got = list(results[name, c].values())
         if not got:
             cells.append("-")
             continue
@@ -123,14 +124,14 @@ for name in servers:
 # asyncpp-auto against the round's faster peer: c1 by TPOT (llama.cpp's, the target), c16 / c64 by tok/s.
 ratio_cells = []
 for c in (1, 16, 64):
-    ours, ratios = runs("asyncpp-auto", c), []
-    for r, d in sorted(ours.items()):
+    ratios = []
+    for r, d in sorted(results["asyncpp-auto", c].items()):
         if c == 1:
-            ref = runs("llamacpp", c).get(r)
+            ref = results["llamacpp", c].get(r)
             if ref:
                 ratios.append(d["tpot_ms_mean"] / ref["tpot_ms_mean"])
         else:
-            best = max((runs(p, c)[r]["output_tok_s"] for p in peers if r in runs(p, c)), default=None)
+            best = max((results[p, c][r]["output_tok_s"] for p in peers if r in results[p, c]), default=None)
             if best:
                 ratios.append(d["output_tok_s"] / best)
     ratio_cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-")

@@ -148,9 +148,7 @@ class StageGroup:
             if p.exitcode is None:
                 p.kill()
                 p.join(timeout=2.0)
-        for p in self.procs:
-            if p.pid is not None:
-                unlink_torch_shm(p.pid)
+            unlink_torch_shm(p.pid)
         for name in self.addresses.ring_names(self.pp_size):
             try:
                 seg = shared_memory.SharedMemory(name=name)
