@@ -42,6 +42,18 @@ static inline u32x8 widen_bf16x8(u16x8 h) { return __builtin_convertvector(h, u3
 static inline u32x4 widen_bf16x4(u16x4 h) { return __builtin_convertvector(h, u32x4) << 16; }
 #define WIDEN_BF16(h) _Generic((h), u16x16: widen_bf16x16, u16x8: widen_bf16x8, u16x4: widen_bf16x4)(h)
 
+/* cpu_math.h's narrow() on 16 lanes (nearest, ties to even; a NaN stays a quiet NaN), the NaN test
+ * from a sign bit: bfloat16 bits in each lane's low half. */
+static inline u32x16 narrow16(f32x16 f) {
+    const u32x16 u = (u32x16)f;
+    const i32x16 is_nan = (0x7F800000 - ((i32x16)u & 0x7FFFFFFF)) >> 31;
+    const u32x16 quiet = (u >> 16) | 0x40, rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+    return (u32x16)(((i32x16)quiet & is_nan) | ((i32x16)rounded & ~is_nan));
+}
+
+/* bfloat16 bits in each lane's low half (narrow16's result) -> float32, exactly. */
+static inline f32x16 widen16(u32x16 h) { return (f32x16)(h << 16); }
+
 /* `static inline F NAME(const char *row, int64_t i, int dtype)`: the elements [i, i + lanes of F) of a float32
  * or bfloat16 row, as float32 (bfloat16 widens exactly); U16 is F's lane count in uint16 (16, 8 or 4). */
 #define DEFINE_ROW_LOAD(NAME, F, U16)                                       \

@@ -64,11 +64,12 @@
 
 static const f32x16 ZERO = {0};
 
-/* Store x as elements [i, i + 16) of a float32 or bfloat16 row (bfloat16 rounded to nearest even). */
+/* Store x as elements [i, i + 16) of a float32 or bfloat16 row (bfloat16 rounded to nearest even, 16
+ * lanes at once: lane by lane, the 576 outputs of a SmolLM2 row took 8% of a 4-row call). */
 static inline void store16(char *row, int64_t i, int dtype, f32x16 x) {
     if (dtype == DTYPE_BF16) {
-        uint16_t *h = (uint16_t *)row + i;
-        for (int l = 0; l < LANES; l++) h[l] = narrow(x[l]);
+        const u16x16 h = __builtin_convertvector(narrow16(x), u16x16);
+        memcpy((uint16_t *)row + i, &h, sizeof h);
     } else {
         memcpy(row + i * 4, &x, sizeof x);
     }

@@ -157,17 +157,6 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t dim, i
     }
 }
 
-/* narrow() on 16 lanes, the NaN test from a sign bit (see silu16): bfloat16 bits in each lane's low half. */
-static inline u32x16 narrow16(f32x16 f) {
-    const u32x16 u = (u32x16)f;
-    const i32x16 is_nan = (0x7F800000 - ((i32x16)u & 0x7FFFFFFF)) >> 31;
-    const u32x16 quiet = (u >> 16) | 0x40, rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-    return (u32x16)(((i32x16)quiet & is_nan) | ((i32x16)rounded & ~is_nan));
-}
-
-/* bfloat16 bits in each lane's low half (narrow16's result) -> float32, exactly. */
-static inline f32x16 widen16(u32x16 h) { return (f32x16)(h << 16); }
-
 /* out[0, n) = bf16(bf16(silu(gate)) * up) for n <= 16 bfloat16 elements; a partial vector is zero-padded.
  * Vector types below AVX-512 for the reason silu16 gives (the scalar loop, 64 rows x 1536 at level
  * avx2: 685 us, this 175; generic 900 vs 223). A NaN input gives a NaN of another sign than there. */
