@@ -4,12 +4,21 @@ A record is a 128-byte header and one block's payload (`[num_layers, 2,
 block_size, num_kv_heads, head_dim]`, raw bytes). The header holds a magic,
 a format version, the layout's fingerprint (model, this stage's layers,
 dtype, block size: a record written for anything else is a miss), the
-block's hash, the payload size and its CRC32. `read_into` checks all of it
-and returns why a record is unusable instead of raising: a missing,
-truncated or corrupted block is a miss, never wrong KV.
+block's hash, the payload size and its CRC32C (hardware CRC through the
+`crc32c` package, which releases the GIL: ~23 GB/s on one Zen 4 core, 4x
+zlib's CRC32, so checking never dominates a copy). `read_into` and
+`read_many_into` check all of it and return why a record is unusable
+instead of raising: a missing, truncated or corrupted block is a miss,
+never wrong KV.
+
+`write`/`read_into` move one block; `write_many`/`read_many_into` move a
+batch of rows (`[n, payload_nbytes]` host bytes), the shm store with one
+vectorised copy for the whole batch.
 
 * `ShmBlockStore`: one shared-memory segment; the payload is written first
-  and the header last, so a half-written slot fails the check.
+  and the header last, so a half-written slot fails the check. It can also
+  be written and read in place (`payload_records`: `begin_write`, copy,
+  `seal`; `verify`, copy), which the `BlockMover` does for a CPU cache.
 * `DirBlockStore`: one file per slot, written to a temporary file and
   renamed, so a crash never leaves a half record under a slot's name; the
   files outlive the engine (`scan` finds them at the next start).
@@ -21,12 +30,12 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
 
@@ -34,8 +43,8 @@ from asyncpp.dtypes import torch_dtype
 
 HEADER_NBYTES = 128
 _MAGIC = b"APKV"
-_VERSION = 1
-_HEADER = struct.Struct("<4sI32s32sQI")  # magic, version, fingerprint, block hash, payload bytes, crc32
+_VERSION = 2  # 2: the checksum is CRC32C (1 was zlib's CRC32)
+_HEADER = struct.Struct("<4sI32s32sQI")  # magic, version, fingerprint, block hash, payload bytes, crc32c
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,17 @@ def slots_for_budget(budget_bytes: int, record_nbytes: int) -> int:
     return max(0, budget_bytes // record_nbytes)
 
 
+def checksum(data) -> int:
+    """CRC32C of a contiguous buffer (bytes, memoryview, numpy array)."""
+    return crc32c.crc32c(data)
+
+
+def whole_rows(rows: np.ndarray) -> np.ndarray:
+    """`[n, nbytes]` uint8 rows as `[n]` elements of one opaque `nbytes` type: numpy then copies a
+    selection of rows with one memcpy each instead of an element loop."""
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+
+
 def _payload_bytes(payload: torch.Tensor) -> np.ndarray:
     """The payload's bytes as a uint8 array (a view, no copy)."""
     return payload.view(torch.uint8).numpy().reshape(-1)
@@ -106,6 +126,18 @@ class BlockStore(ABC):
         self._check_payload(out)
         return self._read_into(slot, block_hash, _payload_bytes(out))
 
+    def write_many(self, slots: list[int], block_hashes: list[bytes], payloads: np.ndarray) -> None:
+        """Store row i of `payloads` (`[n, payload_nbytes]` uint8, host) in slots[i] under block_hashes[i]."""
+        self._check_rows(slots, block_hashes, payloads)
+        for slot, block_hash, data in zip(slots, block_hashes, payloads):
+            self._write(slot, self._header(block_hash, data), data)
+
+    def read_many_into(self, slots: list[int], block_hashes: list[bytes], out: np.ndarray) -> list[str | None]:
+        """Copy slots[i]'s payload into row i of `out`; per slot None if it held block_hashes[i] intact,
+        else why not (that row's bytes are then undefined)."""
+        self._check_rows(slots, block_hashes, out)
+        return [self._read_into(slot, block_hash, row) for slot, block_hash, row in zip(slots, block_hashes, out)]
+
     @abstractmethod
     def scan(self) -> dict[int, bytes]:
         """slot -> block hash of every slot whose header fits this layout (no checksum: cheap)."""
@@ -123,11 +155,11 @@ class BlockStore(ABC):
     def _header(self, block_hash: bytes, data: np.ndarray) -> bytes:
         if len(block_hash) != 32:
             raise ValueError(f"block hash must be 32 bytes, got {len(block_hash)}")
-        packed = _HEADER.pack(_MAGIC, _VERSION, self.layout.fingerprint, block_hash, data.nbytes, zlib.crc32(data))
+        packed = _HEADER.pack(_MAGIC, _VERSION, self.layout.fingerprint, block_hash, data.nbytes, checksum(data))
         return packed.ljust(HEADER_NBYTES, b"\0")
 
-    def _check_header(self, header: bytes, block_hash: bytes | None) -> tuple[str | None, int]:
-        """(why the header is unusable or None, the payload's crc32)."""
+    def _check_header(self, header, block_hash: bytes | None) -> tuple[str | None, int]:
+        """(why the header (a bytes-like of HEADER_NBYTES) is unusable or None, the payload's crc32c)."""
         magic, version, fingerprint, stored_hash, nbytes, crc = _HEADER.unpack_from(header)
         if magic == b"\0\0\0\0":
             return "missing", 0
@@ -146,6 +178,15 @@ class BlockStore(ABC):
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.layout.num_slots:
             raise IndexError(f"slot {slot} out of range 0..{self.layout.num_slots - 1}")
+
+    def _check_rows(self, slots: list[int], block_hashes: list[bytes], rows: np.ndarray) -> None:
+        nbytes = self.layout.payload_nbytes
+        if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[1] != nbytes or rows.strides[1] != 1:
+            raise ValueError(f"payload rows must be [n, {nbytes}] uint8 with contiguous rows, got {rows.shape} {rows.dtype}")
+        if not len(slots) == len(block_hashes) == rows.shape[0]:
+            raise ValueError(f"{len(slots)} slots, {len(block_hashes)} hashes, {rows.shape[0]} payload rows")
+        for slot in slots:
+            self._check_slot(slot)
 
     def _check_payload(self, payload: torch.Tensor) -> None:
         layout = self.layout
@@ -176,13 +217,63 @@ class ShmBlockStore(BlockStore):
         record[HEADER_NBYTES:] = data
         record[:HEADER_NBYTES] = np.frombuffer(header, dtype=np.uint8)
 
+    # ---- in place: begin_write, copy into payload_records, seal; verify, copy out ---------
+    def payload_records(self) -> np.ndarray:
+        """`[num_slots, payload_nbytes]` uint8 view of every record's payload, in the segment itself;
+        valid until `close` (which unmaps it: keep no view beyond a call)."""
+        return self._records[:, HEADER_NBYTES:]
+
+    def begin_write(self, slots: list[int]) -> None:
+        """Zero these slots' headers: from here until `seal`, each reads as missing, however far
+        a copy into its payload got (a cancelled or failed save leaves misses, never a mix)."""
+        for slot in slots:
+            self._check_slot(slot)
+        self._records[np.asarray(slots, dtype=np.intp), :HEADER_NBYTES] = 0
+
+    def seal(self, slots: list[int], block_hashes: list[bytes]) -> None:
+        """Checksum each slot's payload as it is now and write its header (last, after the payload)."""
+        buf, rec = self._shm.buf, self.layout.record_nbytes
+        for slot, block_hash in zip(slots, block_hashes, strict=True):
+            start = slot * rec
+            buf[start : start + HEADER_NBYTES] = self._header(block_hash, buf[start + HEADER_NBYTES : start + rec])
+
+    def verify(self, slots: list[int], block_hashes: list[bytes]) -> list[str | None]:
+        """Per slot, None if its record holds that block intact (header and checksum), else why not."""
+        buf, rec = self._shm.buf, self.layout.record_nbytes
+        reasons: list[str | None] = []
+        for slot, block_hash in zip(slots, block_hashes, strict=True):
+            self._check_slot(slot)
+            start = slot * rec
+            reason, crc = self._check_header(buf[start : start + HEADER_NBYTES], block_hash)
+            if reason is None and checksum(buf[start + HEADER_NBYTES : start + rec]) != crc:
+                reason = "checksum mismatch"
+            reasons.append(reason)
+        return reasons
+
+    def write_many(self, slots: list[int], block_hashes: list[bytes], payloads: np.ndarray) -> None:
+        self._check_rows(slots, block_hashes, payloads)
+        self.begin_write(slots)
+        whole_rows(self.payload_records())[np.asarray(slots, dtype=np.intp)] = whole_rows(payloads)
+        self.seal(slots, block_hashes)
+
+    def read_many_into(self, slots: list[int], block_hashes: list[bytes], out: np.ndarray) -> list[str | None]:
+        # Checked in place, then copied: nothing writes a slot while it is read (one transfer thread
+        # per store runs its jobs in turn, and the engine's index keeps a slot being loaded).
+        self._check_rows(slots, block_hashes, out)
+        reasons = self.verify(slots, block_hashes)
+        good = [i for i, reason in enumerate(reasons) if reason is None]
+        if good:
+            records = whole_rows(self.payload_records())
+            whole_rows(out)[good] = records[np.asarray([slots[i] for i in good], dtype=np.intp)]
+        return reasons
+
     def _read_into(self, slot: int, block_hash: bytes, out: np.ndarray) -> str | None:
         record = self._records[slot]
         reason, crc = self._check_header(record[:HEADER_NBYTES].tobytes(), block_hash)
         if reason is not None:
             return reason
         out[:] = record[HEADER_NBYTES:]
-        if zlib.crc32(out) != crc:
+        if checksum(out) != crc:
             return "checksum mismatch"
         return None
 
@@ -245,7 +336,7 @@ class DirBlockStore(BlockStore):
                 return reason
             if f.readinto(memoryview(out)) != out.nbytes:
                 return "truncated"
-        if zlib.crc32(out) != crc:
+        if checksum(out) != crc:
             return "checksum mismatch"
         return None
 
