@@ -212,6 +212,10 @@ class KVTransferConfig:
     store_path: str = ""
     store_size_mb: int = 1024  # per stage; LRU eviction beyond it
     module: str = ""  # imported first, in the engine and every stage: registers out-of-tree connectors
+    # Past these a transfer is aborted on every stage: a load's blocks are recomputed, a finished
+    # request's sends (saves) are dropped, and its blocks are freed (`kv_transfer.base`).
+    load_timeout_s: float = 30.0
+    save_timeout_s: float = 30.0
     options: dict[str, Any] = field(default_factory=dict)  # the connector's own settings
     children: tuple["KVTransferConfig", ...] = ()  # multi: the connectors it composes, in load order
 
@@ -222,6 +226,10 @@ class KVTransferConfig:
             raise ConfigError(f"kv_transfer.store must be one of {_KV_STORES}, got {self.store!r}")
         if self.store_size_mb < 1:
             raise ConfigError(f"kv_transfer.store_size_mb must be >= 1, got {self.store_size_mb}")
+        for name in ("load_timeout_s", "save_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"kv_transfer.{name} must be a positive number of seconds, got {value!r}")
         if self.store == "dir" and not self.store_path:
             raise ConfigError("kv_transfer.store_path must name a directory when kv_transfer.store is 'dir'")
         if self.connector == "multi" and not self.children:

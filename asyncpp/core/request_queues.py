@@ -38,11 +38,17 @@ class RequestQueues:
         """Drop the priority of a request that is in neither queue any more."""
         self._arrival_seq.pop(request_id, None)
 
-    def admit_front(self) -> Request:
-        """Move the head of `waiting` into `running`, in priority order."""
-        request = self.waiting.popleft()
+    def admit(self, request: Request) -> None:
+        """Move a waiting request into `running`, in priority order."""
+        self.take_waiting(request)
         bisect.insort(self.running, request, key=self.priority)
-        return request
+
+    def take_waiting(self, request: Request) -> None:
+        """Take a request out of `waiting` (it leaves to be admitted, or to wait for its KV)."""
+        if self.waiting and self.waiting[0] is request:  # the usual case
+            self.waiting.popleft()
+        elif not _remove(self.waiting, request):
+            raise ValueError(f"request {request.request_id!r} is not waiting")
 
     def requeue(self, request: Request) -> None:
         """Move a running request back to `waiting`, ahead of everyone younger."""

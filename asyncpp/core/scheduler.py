@@ -45,9 +45,12 @@ KV connector (optional; see `asyncpp.kv_transfer.base`)
   transfers or to poll them while nothing else runs (`has_pending_transfers`).
 * A finished request keeps its blocks while the connector still moves them
   (`request_finished` says so, or its load is in flight) until every stage
-  has reported the transfer; its id stays taken until then.
+  has reported the transfer; its id stays taken until then. Each transfer
+  has a deadline: past it, every stage aborts it (`scheduler_kv`).
 * A request preempted while building a plan is named in its
   `preempted_req_ids`: stages finish its transfers before reusing its blocks.
+* A request whose connector answers "ask again later" keeps its place in the
+  queue; the requests behind it are admitted meanwhile.
 
 Priority is arrival order (order of `add_request`), everywhere:
 * Running requests are served oldest first; waiting ones are admitted FCFS,
@@ -74,7 +77,8 @@ at start-up, so alone it always fits) and always progresses.
 from __future__ import annotations
 
 import itertools
-from typing import Iterable
+import time
+from typing import Callable, Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
 from asyncpp.core.plan import NewRequestData, StepPlan
@@ -99,7 +103,9 @@ class Scheduler(KVTransferScheduling):
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
         connector: KVConnectorScheduler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: what KV transfer deadlines are measured with (tests pass their own)."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -134,7 +140,7 @@ class Scheduler(KVTransferScheduling):
         self._finished_req_ids: list[str] = []  # for the next plan
         self._next_step_id = 0
         self._num_preemptions = 0
-        self._init_kv_transfer(connector)
+        self._init_kv_transfer(connector, clock)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -329,6 +335,23 @@ class Scheduler(KVTransferScheduling):
             updates.append(RequestUpdate(request.request_id, new_token_ids, request.status.finish_reason, stop_reason))
         return updates
 
+    def discard_failed_step(self, plan: StepPlan) -> list[str]:
+        """A step some stage failed wrote no valid KV: its blocks leave the prefix cache. Returns the
+        unfinished requests that must fail: the step's, and any other holding one of those blocks
+        (it hit them meanwhile, so it read that KV; what it sent to a connector is not trusted)."""
+        bad: set[int] = set()
+        for scheduled in plan.scheduled:
+            first_block = scheduled.start_position // self._block_manager.block_size
+            bad.update(self._block_manager.uncache(scheduled.request_id, first_block))
+        failed = [scheduled.request_id for scheduled in plan.scheduled]
+        for request_id, request in self._requests.items():
+            if request_id in failed or bad.isdisjoint(self._block_manager.block_ids(request_id)):
+                continue
+            self._untrusted_sends.add(request_id)
+            if not request.is_finished:
+                failed.append(request_id)
+        return failed
+
     # ------------------------------------------------------------------ helpers
     @property
     def num_pending_prefill_tokens(self) -> int:
@@ -382,10 +405,11 @@ class Scheduler(KVTransferScheduling):
 
     def _admit_waiting(self, step: StepBuilder) -> None:
         queues = self._queues
-        while queues.waiting and step.has_room and len(queues.running) < self.max_num_seqs:
+        num_skipped = 0  # at the head of `waiting`: their KV is on its way for another request
+        while len(queues.waiting) > num_skipped and step.has_room and len(queues.running) < self.max_num_seqs:
             if self._block_manager.num_free_blocks == 0 or step.num_prefill_budget == 0:
                 break  # a first allocation always needs a free block; skip the lookup (and its stats)
-            request = queues.waiting[0]
+            request = queues.waiting[num_skipped]
             token_ids = request.all_token_ids
             has_blocks = self._block_manager.has_blocks(request.request_id)  # back from a KV load
             if has_blocks:
@@ -394,8 +418,9 @@ class Scheduler(KVTransferScheduling):
                 hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
                 if self.connector is not None:
                     is_loading = self._start_load(request, token_ids, hit_block_ids, num_hit_tokens)
-                    if is_loading is None:
-                        break  # FCFS: its prefix is on its way for another request; retry next step
+                    if is_loading is None:  # its prefix is on its way for another request: it keeps
+                        num_skipped += 1  # its place and is asked again next step; the rest go on
+                        continue
                     if is_loading:
                         continue  # it left the queue to wait for its KV; the next one may go
             num_new_tokens = len(token_ids) - num_hit_tokens
@@ -408,7 +433,7 @@ class Scheduler(KVTransferScheduling):
             if block_ids is None:
                 break  # FCFS: nobody behind it may take the blocks it waits for
             step.num_prefill_budget -= num_new_tokens
-            queues.admit_front()
+            queues.admit(request)
             if request.status is RequestStatus.WAITING and not has_blocks:  # first admission
                 request.num_cached_tokens = num_hit_tokens
                 if self.connector is not None:
@@ -443,23 +468,20 @@ class Scheduler(KVTransferScheduling):
         Blocks a KV transfer still reads or writes are freed once every stage has reported it.
         """
         self._queues.remove(request)
-        is_loading = request.request_id in self._waiting_for_remote
-        delay_free = False
+        request_id = request.request_id
+        is_known = request_id in self._runner_known_ids
         if self.connector is not None:
-            block_ids = self._block_manager.block_ids(request.request_id)
-            delay_free, _ = self.connector.request_finished(request, block_ids)
-        # Only a stage that knows the request can report its send: one never scheduled is freed now.
-        if delay_free and not is_loading and request.request_id in self._runner_known_ids:
-            self._held[request.request_id] = request
-        elif not is_loading:
-            self._block_manager.free(request.request_id)
-        if request.request_id in self._runner_known_ids:
-            self._runner_known_ids.discard(request.request_id)
-            self._finished_req_ids.append(request.request_id)
-        if not request.is_in_flight and not self._holds_blocks(request):
-            self._forget(request)
+            delay_free, _ = self.connector.request_finished(request, self._block_manager.block_ids(request_id))
+            # Only a stage that knows the request can report its send: one never scheduled is freed now.
+            if delay_free and is_known:
+                self._hold(request)
+        if is_known:
+            self._runner_known_ids.discard(request_id)
+            self._finished_req_ids.append(request_id)
+        self._release_blocks(request)
 
     def _forget(self, request: Request) -> None:
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
             self._queues.forget(request.request_id)
+            self._forget_transfers(request.request_id)

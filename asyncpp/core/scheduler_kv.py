@@ -3,20 +3,39 @@
 State (set up by `_init_kv_transfer`): requests whose KV a connector loads
 (`WAITING_FOR_REMOTE_KVS`, with the blocks each load fills), finished
 requests whose blocks stay held for a send, block ids some stage failed to
-load (until their load is complete on every stage), and the requests
-preempted while building the current plan. The `Scheduler` calls these from
-admission (`_start_load`), plan building (`_build_connector_meta`) and
-`update_from_output` (`_update_from_connector`); see its docstring for the
-contract.
+load (until their load is complete on every stage), the requests preempted
+while building the current plan, and a deadline per transfer. The
+`Scheduler` calls these from admission (`_start_load`), plan building
+(`_build_connector_meta`), `merge_kv_outputs` + `update_from_output`
+(`_update_from_connector`) and `_release` / `_forget`; see its docstring for
+the contract.
+
+The rule: **every block a transfer holds is released on every path.** A
+request's blocks are freed once it is finished and neither loading nor held
+for a send; loads and sends end only when every stage has reported them
+(`KVOutputAggregator`, keyed by stage), and every stage reports each owed
+transfer exactly once, failures included (`TransferLedger`). A transfer past
+its deadline (`load_timeout_s` / `save_timeout_s` of the connector's
+context) is aborted: the next plan names it (`aborted_req_ids`), every stage
+stops it and reports it failed, a load's blocks are recomputed and a send's
+writes are not trusted. A connector that keeps answering "ask again later"
+for a request is not asked again past `load_timeout_s` (its prefix is
+computed), and never holds up the requests behind it. Once nothing is
+pending, `has_pending_transfers` is False and the engine stops polling.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from asyncpp.core.request import Request, RequestStatus
+from asyncpp.kv_transfer.aggregator import KVOutputAggregator
 from asyncpp.kv_transfer.base import KVConnectorScheduler, PlanInfo
 from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+from asyncpp.logging import get_logger
 
 if TYPE_CHECKING:
     from asyncpp.core.request_queues import RequestQueues
@@ -25,19 +44,34 @@ if TYPE_CHECKING:
 
 
 class KVTransferScheduling:
+    """Mixed into `Scheduler`, whose `_forget(request)` it calls."""
+
     _block_manager: "BlockManager"
     _queues: "RequestQueues"
     _next_step_id: int
 
-    def _init_kv_transfer(self, connector: KVConnectorScheduler | None) -> None:
+    def _init_kv_transfer(self, connector: KVConnectorScheduler | None, clock: Callable[[], float] = time.monotonic) -> None:
         self.connector = connector
+        self._clock = clock
         self._waiting_for_remote: dict[str, Request] = {}  # loads in flight
         self._load_block_ids: dict[str, list[int]] = {}  # the blocks each load in flight fills
         self._invalid_block_ids: set[int] = set()  # reported by some stage, until their load completes
         self._held: dict[str, Request] = {}  # finished, blocks kept until every stage reported the send
         self._preempted_req_ids: list[str] = []  # for the next plan
+        self._unsent_held: list[str] = []  # newly held, for the next plan
+        self._unsent_aborted: list[str] = []  # past their deadline, for the next plan
+        self._load_deadlines: dict[str, float] = {}
+        self._send_deadlines: dict[str, float] = {}
+        # Their merged send report counts as failed: timed out, or they read a failed step's KV.
+        self._untrusted_sends: set[str] = set()
+        self._asked_again_since: dict[str, float] = {}  # request -> first "ask again later"
         self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
         self.num_failed_load_tokens = 0  # promised by the connector, failed to load, recomputed
+        self.num_timed_out_transfers = 0
+        self._aggregator: KVOutputAggregator | None = None
+        if connector is not None:
+            self._aggregator = KVOutputAggregator(connector.get_finished_count() or connector.ctx.pp_size)
+            self.log = get_logger(role="engine")
 
     @property
     def num_waiting_for_remote_kvs(self) -> int:
@@ -47,23 +81,48 @@ class KVTransferScheduling:
     def num_held_for_transfer(self) -> int:
         return len(self._held)
 
+    @property
+    def num_partly_reported_transfers(self) -> int:
+        """Transfers some stages reported and others not yet."""
+        return self._aggregator.num_pending() if self._aggregator is not None else 0
+
     def has_pending_transfers(self) -> bool:
         """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
         return bool(
             self._waiting_for_remote
             or self._held
+            or self._unsent_aborted
             or (self.connector is not None and self.connector.has_unsent_metadata())
         )
+
+    def merge_kv_outputs(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput:
+        """One step's connector reports, `outputs[pp_rank]`, merged: a transfer ends when every stage
+        reported it. Only transfers this scheduler waits for count."""
+        merged = self._aggregator.aggregate(outputs, self._held.__contains__, self._waiting_for_remote.__contains__)
+        untrusted = merged.finished_sending & self._untrusted_sends
+        if untrusted:
+            self._untrusted_sends -= untrusted
+            merged = dataclasses.replace(merged, failed_sending=merged.failed_sending | untrusted)
+        return merged
 
     def _holds_blocks(self, request: Request) -> bool:
         return request.request_id in self._held or request.request_id in self._waiting_for_remote
 
     def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool | None:
         """Ask the connector for more of the prefix: True if the request now waits for an async load,
-        None if the connector asks to be asked again later (admission stops for this step)."""
+        None if the connector asks to be asked again later (the request keeps its place, others go)."""
+        request_id = request.request_id
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
         if num_external is None:
-            return None
+            now = self._clock()
+            since = self._asked_again_since.setdefault(request_id, now)
+            if now - since < self.connector.ctx.load_timeout_s:
+                return None
+            self.log.warning(
+                "kv_ask_again_timed_out", request_id=request_id, timeout_s=self.connector.ctx.load_timeout_s
+            )  # fmt: skip
+            num_external = 0  # computed instead
+        self._asked_again_since.pop(request_id, None)
         if num_external <= 0:
             return False
         if not load_async:
@@ -77,14 +136,15 @@ class KVTransferScheduling:
                 "it must offer whole blocks and leave at least one token to compute"
             )
         block_ids = self._block_manager.allocate_for_load(
-            request.request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
+            request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
         )
         if block_ids is None:
             return False  # no room to load into: compute it instead (or wait for blocks like anyone)
-        self._queues.waiting.popleft()
+        self._queues.take_waiting(request)
         block_size = self._block_manager.block_size
-        self._load_block_ids[request.request_id] = block_ids[num_hit_tokens // block_size :]
-        self._waiting_for_remote[request.request_id] = request
+        self._load_block_ids[request_id] = block_ids[num_hit_tokens // block_size :]
+        self._waiting_for_remote[request_id] = request
+        self._load_deadlines[request_id] = self._clock() + self.connector.ctx.load_timeout_s
         if request.status is RequestStatus.WAITING:
             request.num_cached_tokens = num_hit_tokens
             request.num_external_tokens = num_external
@@ -93,10 +153,18 @@ class KVTransferScheduling:
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
 
+    def _hold(self, request: Request) -> None:
+        """A finished request's blocks stay until every stage reports its send."""
+        request_id = request.request_id
+        self._held[request_id] = request
+        self._unsent_held.append(request_id)
+        self._send_deadlines[request_id] = self._clock() + self.connector.ctx.save_timeout_s
+
     def _build_connector_meta(self, step: StepBuilder) -> KVConnectorMetadata:
+        self._expire_transfers()
         bm = self._block_manager
         scheduled = [(r, s.start_position, s.num_tokens) for r, s in zip(step.cohort, step.scheduled)]
-        return self.connector.build_connector_meta(
+        metadata = self.connector.build_connector_meta(
             PlanInfo(
                 step_id=self._next_step_id,
                 scheduled=scheduled,
@@ -104,6 +172,30 @@ class KVTransferScheduling:
                 block_hashes={s.request_id: bm.block_hashes(s.request_id) for s in step.scheduled},
             )
         )
+        if self._unsent_held or self._unsent_aborted:
+            metadata = dataclasses.replace(metadata, held_req_ids=self._unsent_held, aborted_req_ids=self._unsent_aborted)
+            self._unsent_held, self._unsent_aborted = [], []
+        return metadata
+
+    def _expire_transfers(self) -> None:
+        """Abort the transfers past their deadline: the plan being built tells every stage."""
+        now = self._clock()
+        for kind, deadlines in (("load", self._load_deadlines), ("send", self._send_deadlines)):
+            for request_id in [r for r, deadline in deadlines.items() if now >= deadline]:
+                del deadlines[request_id]
+                if kind == "load":
+                    self._invalid_block_ids.update(self._load_block_ids[request_id])  # recompute them all
+                else:
+                    self._untrusted_sends.add(request_id)
+                if request_id not in self._unsent_aborted:
+                    self._unsent_aborted.append(request_id)
+                self.num_timed_out_transfers += 1
+                sending, recving = self._aggregator.reporters(request_id)
+                self.log.warning(
+                    "kv_transfer_timed_out", request_id=request_id, what=kind,
+                    timeout_s=self.connector.ctx.load_timeout_s if kind == "load" else self.connector.ctx.save_timeout_s,
+                    reported_pp_ranks=sorted(recving if kind == "load" else sending),
+                )  # fmt: skip
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
         self._invalid_block_ids |= output.invalid_block_ids
@@ -112,23 +204,21 @@ class KVTransferScheduling:
             self._finish_load(request_id)
         for request_id in sorted(output.finished_sending):
             request = self._held.pop(request_id, None)
+            self._send_deadlines.pop(request_id, None)
             if request is not None:
-                self._block_manager.free(request_id)
-                if not request.is_in_flight:
-                    self._forget(request)
+                self._release_blocks(request)
 
     def _finish_load(self, request_id: str) -> None:
         """Every stage loaded (or failed to load) the request's blocks: it may be scheduled again."""
         request = self._waiting_for_remote.pop(request_id, None)
         if request is None:
             return
+        self._load_deadlines.pop(request_id, None)
         load_block_ids = self._load_block_ids.pop(request_id)
         num_loaded = next((i for i, b in enumerate(load_block_ids) if b in self._invalid_block_ids), len(load_block_ids))
         self._invalid_block_ids.difference_update(load_block_ids)
         if request.is_finished:  # aborted while loading: nobody writes its blocks any more
-            self._block_manager.free(request_id)
-            if not request.is_in_flight:
-                self._forget(request)
+            self._release_blocks(request)
             return
         block_size = self._block_manager.block_size
         num_loaded_tokens = num_loaded * block_size
@@ -140,3 +230,16 @@ class KVTransferScheduling:
         request.status = RequestStatus.WAITING
         self._queues.requeue(request)
 
+    def _release_blocks(self, request: Request) -> None:
+        """A finished request's blocks go once no transfer holds them; it is forgotten once nothing does."""
+        if self._holds_blocks(request):
+            return
+        self._block_manager.free(request.request_id)
+        if not request.is_in_flight:
+            self._forget(request)  # type: ignore[attr-defined]
+
+    def _forget_transfers(self, request_id: str) -> None:
+        self._asked_again_since.pop(request_id, None)
+        self._untrusted_sends.discard(request_id)
+        if self._aggregator is not None:
+            self._aggregator.forget(request_id)

@@ -34,7 +34,6 @@ from asyncpp.engine.outputs import Completion, RequestOutput
 from asyncpp.errors import InvalidRequestError
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv.block_manager import BlockManager
-from asyncpp.kv_transfer.aggregator import KVOutputAggregator
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
 from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
 from asyncpp.kv_transfer.registry import connector_context, create_scheduler_connector, create_worker_connector
@@ -120,8 +119,8 @@ class EngineCore:
     """Scheduler + request state + detokenization; no model. Shared by both runtimes.
 
     With a KV connector, its scheduler side lives here, and every step's
-    stage outputs are merged (`KVOutputAggregator`) before the scheduler
-    sees them.
+    stage outputs are merged (`Scheduler.merge_kv_outputs`) before the
+    scheduler applies them.
     """
 
     def __init__(
@@ -149,8 +148,6 @@ class EngineCore:
             connector=kv_connector,
         )
         self.kv_connector = kv_connector
-        expected = kv_connector.get_finished_count() if kv_connector is not None else None
-        self.kv_aggregator = KVOutputAggregator(expected or len(capacity.layer_ranges))
         self.kv_transfer_stats = KVTransferStats()
         self.input_processor = InputProcessor(tokenizer, arch.vocab_size, capacity.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
@@ -194,13 +191,15 @@ class EngineCore:
         """Every stage's connector report of one step, merged (None without a connector)."""
         if self.kv_connector is None:
             return None
-        merged = self.kv_aggregator.aggregate(o.kv_connector_output for o in outputs)
+        merged = self.scheduler.merge_kv_outputs([o.kv_connector_output for o in outputs])
         self.kv_transfer_stats = self.kv_transfer_stats + merged.stats
         return merged
 
-    def process_failed_step(self, plan: Any, outputs: list[ModelRunnerOutput]) -> None:
-        """A step some stage failed: roll its requests back (the caller fails them); keep the transfer reports."""
+    def process_failed_step(self, plan: Any, outputs: list[ModelRunnerOutput]) -> list[str]:
+        """A step some stage failed: roll its requests back and keep the transfer reports. Returns the
+        requests the caller must fail: the step's, and any other that read the KV it left invalid."""
         self.scheduler.update_from_output(plan, {}, self.merge_kv_outputs(outputs))
+        return self.scheduler.discard_failed_step(plan)
 
     def process_output(self, plan: Any, outputs: list[ModelRunnerOutput]) -> list[RequestOutput]:
         """One step's outputs, one per stage (the last stage's holds the sampled tokens)."""
@@ -240,6 +239,7 @@ class EngineCore:
             "kv_load_time_s": t.load_time_s,
             "kv_save_time_s": t.save_time_s,
             "num_held_for_transfer": self.scheduler.num_held_for_transfer,
+            "num_timed_out_transfers": self.scheduler.num_timed_out_transfers,
             **self.kv_connector.stats(),
         }
 
@@ -336,7 +336,7 @@ class Engine(EngineCore):
         return self.scheduler.has_unfinished_requests()
 
     def has_pending_transfers(self) -> bool:
-        return self.scheduler.has_pending_transfers() or self.kv_aggregator.num_pending() > 0
+        return self.scheduler.has_pending_transfers()
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
@@ -350,10 +350,12 @@ class Engine(EngineCore):
         t0 = time.perf_counter()
         if self.balancer is not None and not plan.is_empty:
             plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan))
-        outputs = self.executor.execute(plan)
+        executed = self.executor.execute(plan)
+        if executed.errors:
+            return self._fail_step(plan, executed.outputs, executed.errors)
         if self.balancer is not None:
             self.balancer.observe(plan, self.executor.busy_s)
-        results = self.process_output(plan, outputs)
+        results = self.process_output(plan, executed.outputs)
         self.log.debug(
             "step_completed",
             step_id=plan.step_id,
@@ -362,6 +364,13 @@ class Engine(EngineCore):
             duration_ms=round((time.perf_counter() - t0) * 1e3, 3),
         )
         return results
+
+    def _fail_step(self, plan, outputs: list[ModelRunnerOutput], errors: list[str]) -> list[RequestOutput]:
+        """A step some stage failed: its requests fail with the first error; the others go on."""
+        self.log.error("step_failed", step_id=plan.step_id, errors=errors)
+        failed = self.process_failed_step(plan, outputs)
+        outs = (self.abort(request_id, RequestStatus.FINISHED_ERROR, errors[0]) for request_id in failed)
+        return [out for out in outs if out is not None]
 
     def generate(
         self, prompts: Iterable[Prompt], params: SamplingParams | list[SamplingParams] | None = None

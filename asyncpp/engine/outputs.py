@@ -35,6 +35,7 @@ class Completion:
     logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # why it failed (finish_reason "error")
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
@@ -44,4 +45,4 @@ class Completion:
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error

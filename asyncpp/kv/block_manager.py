@@ -218,6 +218,21 @@ class BlockManager:
                 if self._block_hash[block_id] is None:
                     self._free_queue.move_to_end(block_id, last=False)
 
+    def uncache(self, request_id: str, first_block: int) -> list[int]:
+        """The request's blocks from `first_block` on hold no valid KV (the step writing them failed):
+        they leave the prefix cache, so no later request hits them. Returns those block ids."""
+        table = self._block_tables.get(request_id, [])
+        hashes = self._request_block_hashes.get(request_id)
+        if hashes is not None:
+            del hashes[first_block:]
+        for block_id in table[first_block:]:
+            block_hash = self._block_hash[block_id]
+            if block_hash is not None:
+                self._block_hash[block_id] = None
+                if self._cached_block_by_hash.get(block_hash) == block_id:
+                    del self._cached_block_by_hash[block_hash]
+        return table[first_block:]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -2,16 +2,23 @@
 
 Every stage transfers its own layers, so a request has finished sending or
 receiving only once every stage has said so, and the stages say so on
-different steps. The aggregator keeps, per request, how many reports are
-still missing (`expected_count`, one per stage unless the connector says
-otherwise); the count survives across steps, and a request appears in the
-merged output exactly once, on the step its last report arrives. Blocks that
-failed to load on any stage and transfer counters are merged as they come.
+different steps. The aggregator keeps, per request, the set of stages
+(`pp_rank`) that have reported it, across steps; a request appears in the
+merged output exactly once, on the step its last stage's report arrives, and
+is forgotten then.
+
+* Idempotent: a stage that reports the same request twice counts once.
+* Only what the engine awaits counts (`awaited_sending`, `awaited_recving`):
+  a report for a request nobody waits for (a stale one, or an id reused
+  after the engine forgot the old request) is dropped, never counted.
+* A request fails to send if any stage reported it in `failed_sending`.
+Blocks that failed to load on any stage and transfer counters are merged as
+they come.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Sequence
 
 from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
 
@@ -20,36 +27,62 @@ class KVOutputAggregator:
     def __init__(self, expected_count: int) -> None:
         if expected_count < 1:
             raise ValueError(f"expected_count must be >= 1, got {expected_count}")
-        self.expected_count = expected_count
-        self._remaining_sending: dict[str, int] = {}
-        self._remaining_recving: dict[str, int] = {}
+        self.expected_count = expected_count  # distinct stages whose reports finish a request
+        self._sending: dict[str, set[int]] = {}  # request -> stages that reported it
+        self._recving: dict[str, set[int]] = {}
+        self._failed_sending: set[str] = set()  # some stage failed its send
 
-    def aggregate(self, outputs: Iterable[KVConnectorOutput | None]) -> KVConnectorOutput:
-        """One step's outputs (one per stage, None where a stage had nothing) merged."""
+    def aggregate(
+        self,
+        outputs: Sequence[KVConnectorOutput | None],
+        awaited_sending: Callable[[str], bool] = lambda request_id: True,
+        awaited_recving: Callable[[str], bool] = lambda request_id: True,
+    ) -> KVConnectorOutput:
+        """One step's outputs, `outputs[pp_rank]` (None where a stage had nothing), merged."""
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
         invalid_block_ids: set[int] = set()
         stats = KVTransferStats()
-        for output in outputs:
+        for pp_rank, output in enumerate(outputs):
             if output is None:
                 continue
-            self._count(output.finished_sending, self._remaining_sending, finished_sending)
-            self._count(output.finished_recving, self._remaining_recving, finished_recving)
+            for request_id in output.finished_sending:
+                if awaited_sending(request_id):
+                    if request_id in output.failed_sending:
+                        self._failed_sending.add(request_id)
+                    self._count(request_id, pp_rank, self._sending, finished_sending)
+            for request_id in output.finished_recving:
+                if awaited_recving(request_id):
+                    self._count(request_id, pp_rank, self._recving, finished_recving)
             invalid_block_ids |= output.invalid_block_ids
             stats = stats + output.stats
+        failed_sending = finished_sending & self._failed_sending
+        self._failed_sending -= failed_sending
         return KVConnectorOutput(
-            frozenset(finished_sending), frozenset(finished_recving), frozenset(invalid_block_ids), stats
+            frozenset(finished_sending),
+            frozenset(finished_recving),
+            frozenset(invalid_block_ids),
+            stats,
+            frozenset(failed_sending),
         )
+
+    def reporters(self, request_id: str) -> tuple[frozenset[int], frozenset[int]]:
+        """(stages that reported its send, stages that reported its load) so far."""
+        return frozenset(self._sending.get(request_id, ())), frozenset(self._recving.get(request_id, ()))
+
+    def forget(self, request_id: str) -> None:
+        """The engine no longer waits for this request: drop whatever some stages reported."""
+        self._sending.pop(request_id, None)
+        self._recving.pop(request_id, None)
+        self._failed_sending.discard(request_id)
 
     def num_pending(self) -> int:
         """Requests reported by some stages but not all yet."""
-        return len(self._remaining_sending) + len(self._remaining_recving)
+        return len(self._sending) + len(self._recving)
 
-    def _count(self, req_ids: frozenset[str], remaining: dict[str, int], finished: set[str]) -> None:
-        for req_id in req_ids:
-            left = remaining.get(req_id, self.expected_count) - 1
-            if left > 0:
-                remaining[req_id] = left
-            else:
-                remaining.pop(req_id, None)
-                finished.add(req_id)
+    def _count(self, request_id: str, pp_rank: int, reported: dict[str, set[int]], finished: set[str]) -> None:
+        ranks = reported.setdefault(request_id, set())
+        ranks.add(pp_rank)
+        if len(ranks) >= self.expected_count:
+            del reported[request_id]
+            finished.add(request_id)

@@ -21,12 +21,31 @@ Worker side (`KVConnectorWorker`, one in every stage, over that stage's layers):
 `register_kv_caches`, `bind_connector_metadata` / `clear_connector_metadata`,
 `start_load_kv` (before the forward), `save_kv` (after this stage's forward),
 `wait_for_save`, `get_finished(finished_req_ids) -> (finished_sending,
-finished_recving)`, `get_block_ids_with_load_errors`, `handle_preemptions`,
-`get_stats`. The stage calls them only through `KVConnectorWrapper`, which
-fixes their order (seed 003: `post_forward` after sampling and the proposer).
+finished_recving)`, `get_failed_sending`, `get_block_ids_with_load_errors`,
+`handle_preemptions`, `abort_transfers`, `get_stats`. The stage calls them
+only through `KVConnectorWrapper`, which fixes their order (seed 003:
+`post_forward` after sampling and the proposer).
 
 A connector is chosen by name (`kv_transfer.registry`); both halves are built
 from a `ConnectorContext` of plain values, never the whole config.
+
+The rule every connector lives by: **every block a transfer holds is
+released on every path**: success, load error, save error, a step that
+fails on any stage before or after its forward, abort, preemption, timeout,
+stage death. The engine and the stage's wrapper enforce it; a worker keeps
+its part of the contract:
+* Report each load bound to it in `finished_recving` once it no longer
+  touches its blocks (failed blocks in `get_block_ids_with_load_errors`),
+  and each request named in a plan's `held_req_ids` in `finished_sending`
+  once its sends no longer read its blocks (in `failed_sending` too if any
+  of them failed). Extra or repeated reports are dropped.
+* `handle_preemptions` returns within `save_timeout_s`, aborting what is
+  still running by then; `abort_transfers` returns only once nothing of
+  those requests touches the KV cache any more. The wrapper then reports
+  what they owed as failed. Nothing may raise out of `get_finished`.
+* Past `load_timeout_s` / `save_timeout_s` the engine aborts a transfer
+  (`KVConnectorMetadata.aborted_req_ids`): a load's blocks are recomputed,
+  a send's writes are not trusted, a warning names the request.
 """
 
 from __future__ import annotations
@@ -60,6 +79,8 @@ class ConnectorContext:
     store_path: str = ""
     store_size_mb: int = 0
     connector_index: int = 0  # position among a multi-connector's children
+    load_timeout_s: float = 30.0  # past it a load is aborted (its blocks recomputed)
+    save_timeout_s: float = 30.0  # past it a held request's sends are aborted (their writes dropped)
     extra: dict[str, Any] = field(default_factory=dict)  # the connector's own settings (`kv_transfer.options`)
     children: tuple["ConnectorContext", ...] = ()  # multi-connector: its children's contexts
 
@@ -162,11 +183,22 @@ class KVConnectorWorker(ABC):
         """Block until saves that must finish within the step are done (async connectors return at once)."""
 
     def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
-        """Their blocks may be reused by this plan: finish whatever still reads them first."""
+        """Their blocks may be reused by this plan: finish whatever still reads them first (within
+        `save_timeout_s`; abort what is still running then)."""
+
+    def abort_transfers(self, request_ids: list[str]) -> None:
+        """Stop these requests' transfers (past their deadline, or their step failed): once this
+        returns, none of them reads or writes the KV cache. Whatever they wrote elsewhere is not
+        trusted. The wrapper reports what they owed; later reports of them are dropped."""
 
     @abstractmethod
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
         """(requests done sending, requests done receiving) on this stage since the last call."""
+
+    def get_failed_sending(self) -> frozenset[str]:
+        """Of the requests the latest `get_finished` reported finished sending, those whose sends
+        failed (whatever they wrote is not trusted)."""
+        return frozenset()
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         """Blocks whose load failed since the last call (their tokens must be recomputed)."""
@@ -182,4 +214,6 @@ class KVConnectorWorker(ABC):
 
 def collect_output(worker: KVConnectorWorker, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
     sending, recving = worker.get_finished(finished_req_ids)
-    return KVConnectorOutput(sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats())
+    return KVConnectorOutput(
+        sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats(), worker.get_failed_sending()
+    )

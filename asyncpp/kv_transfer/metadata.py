@@ -36,10 +36,16 @@ class KVConnectorMetadata:
     # Multi-connector: request (finished since the last plan) -> the children keeping its blocks
     # for a send; a stage reports it finished sending once each of those children has.
     send_holders: dict[str, list[int]] = field(default_factory=dict)
+    # Set by the engine, not the connector. Requests finished since the last plan whose blocks
+    # the engine keeps until every stage reports them in `finished_sending` (exactly once each).
+    held_req_ids: list[str] = field(default_factory=list)
+    # Requests whose transfers passed their deadline (`load_timeout_s`, `save_timeout_s`): each
+    # stage stops them (`abort_transfers`) and reports them as failed.
+    aborted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves and not self.send_holders
+        return not (self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,9 @@ class KVConnectorOutput:
     finished_recving: frozenset[str] = frozenset()
     invalid_block_ids: frozenset[int] = frozenset()  # blocks whose load failed: recompute them
     stats: KVTransferStats = field(default_factory=KVTransferStats)
+    # Of `finished_sending`: requests whose sends (saves) failed, were skipped or timed out on
+    # this stage. Nothing they wrote may be trusted (the offload index drops their slots).
+    failed_sending: frozenset[str] = frozenset()
 
     @property
     def is_empty(self) -> bool:

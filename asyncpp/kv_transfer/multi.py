@@ -30,23 +30,26 @@ class MultiScheduler(KVConnectorScheduler):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         self.children = [connector_classes(c.name)[0](c) for c in ctx.children]
-        self._loader_of: dict[str, int] = {}  # request id -> the child loading it
         self._unsent_holders: dict[str, list[int]] = {}  # finished request -> children keeping its blocks
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._first_offer(request, num_computed_tokens)[1:]
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        # The child that offered them (asking again has no side effects, and gives the same answer).
+        loader = self._first_offer(request, request.num_computed_tokens)[0] if num_external_tokens else None
+        for index, child in enumerate(self.children):
+            child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
+
+    def _first_offer(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, int | None, bool]:
+        """(index of the first child offering tokens, its offer); (None, None, False): ask again later."""
         for index, child in enumerate(self.children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
             if num_tokens is None:
-                return None, False  # ask again later, as that child asks
+                return None, None, False  # ask again later, as that child asks
             if num_tokens > 0:
-                self._loader_of[request.request_id] = index
-                return num_tokens, load_async
-        return 0, False
-
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
-        loader = self._loader_of.get(request.request_id)
-        for index, child in enumerate(self.children):
-            child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
+                return index, num_tokens, load_async
+        return None, 0, False
 
     def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
         loads, saves = [], []
@@ -61,8 +64,6 @@ class MultiScheduler(KVConnectorScheduler):
         return any(child.has_unsent_metadata() for child in self.children)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for request_id in output.finished_recving:
-            self._loader_of.pop(request_id, None)
         for child in self.children:  # each ignores the requests it does not know
             child.update_connector_output(output)
 
@@ -90,7 +91,9 @@ class MultiWorker(KVConnectorWorker):
     def __init__(self, ctx: ConnectorContext, pp_rank: int) -> None:
         super().__init__(ctx, pp_rank)
         self.children = [connector_classes(c.name)[1](c, pp_rank) for c in ctx.children]
-        self._owing_send: dict[str, set[int]] = {}  # finished request -> children keeping it, not reported yet
+        self._owing_send: dict[str, set[int]] = {}  # held request -> children keeping it, not reported yet
+        self._failed_send: set[str] = set()  # some child failed its send (until the request is reported)
+        self._finished_sending_failed: set[str] = set()  # of the latest finished_sending
 
     def register_kv_caches(self, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         for child in self.children:
@@ -98,15 +101,18 @@ class MultiWorker(KVConnectorWorker):
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
+        held = set(metadata.held_req_ids)
+        for request_id, holders in metadata.send_holders.items():
+            if request_id in held:  # the engine waits for it (it knows the request was scheduled)
+                self._owing_send[request_id] = set(holders)
         for index, child in enumerate(self.children):
             child.bind_connector_metadata(
                 KVConnectorMetadata(
                     [t for t in metadata.loads if t.connector_index == index],
                     [t for t in metadata.saves if t.connector_index == index],
+                    held_req_ids=[r for r in metadata.held_req_ids if index in self._owing_send.get(r, ())],
                 )
             )
-        for request_id, holders in metadata.send_holders.items():
-            self._owing_send[request_id] = set(holders)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -129,20 +135,36 @@ class MultiWorker(KVConnectorWorker):
         for child in self.children:
             child.handle_preemptions(preempted_req_ids)
 
+    def abort_transfers(self, request_ids: list[str]) -> None:
+        for child in self.children:
+            child.abort_transfers(request_ids)
+        for request_id in request_ids:  # the wrapper reports them
+            self._owing_send.pop(request_id, None)
+            self._failed_send.discard(request_id)
+
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
         finished_sending, finished_recving = set(), set()
         for index, child in enumerate(self.children):
             sending, recving = child.get_finished(finished_req_ids)
             finished_recving |= recving
+            failed = child.get_failed_sending()
             for request_id in sending:
                 owing = self._owing_send.get(request_id)
                 if owing is None:
                     continue  # not kept for this child (the engine never asked to wait for it)
+                if request_id in failed:
+                    self._failed_send.add(request_id)
                 owing.discard(index)
                 if not owing:
                     del self._owing_send[request_id]
                     finished_sending.add(request_id)
+        self._finished_sending_failed = finished_sending & self._failed_send
+        self._failed_send -= finished_sending
         return frozenset(finished_sending), frozenset(finished_recving)
+
+    def get_failed_sending(self) -> frozenset[str]:
+        failed, self._finished_sending_failed = self._finished_sending_failed, set()
+        return frozenset(failed)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         return frozenset().union(*(child.get_block_ids_with_load_errors() for child in self.children))

@@ -86,6 +86,8 @@ def connector_context(
             store_path=str(Path(cfg.store_path).expanduser()) if cfg.store_path else "",
             store_size_mb=cfg.store_size_mb,
             connector_index=index,
+            load_timeout_s=float(config.load_timeout_s),  # the top level's: one deadline per transfer
+            save_timeout_s=float(config.save_timeout_s),
             extra=dict(cfg.options),
             children=tuple(
                 build(child, i, f"kv_transfer.children[{i}].connector") for i, child in enumerate(cfg.children)

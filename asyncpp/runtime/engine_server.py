@@ -412,10 +412,10 @@ class EngineServer:
         errors = [o.error for o in step.outputs.values() if o.error]
         if errors:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
-            self.core.process_failed_step(step.plan, self._stage_outputs(step))
+            failed = self.core.process_failed_step(step.plan, self._stage_outputs(step))
             self._log_completed(step)
-            for r in step.plan.scheduled:
-                await self._fail(r.request_id, errors[0], "internal")
+            for request_id in failed:
+                await self._fail(request_id, errors[0], "internal")
             self._wake.set()  # the window has room again
         else:
             # The scheduler is up to date once this returns, stop strings included (they finish

@@ -309,12 +309,9 @@ class Stage:
         return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
 
     def _abort_step(self, plan: StepPlan, output: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Close a failed step: the connector still runs its transfers and reports, nothing is saved."""
+        """Close a failed step: the connector still runs its transfers and reports."""
         try:
-            if self.runner.execute_state is not None:  # failed in or after the forward
-                return self.runner.abort_step()
-            # Failed before the forward: the plan's loads must still start, and finished ones be collected.
-            return ModelRunnerOutput.with_kv_conn_output_only(self.runner.kv_connector.no_forward(plan))
+            return self.runner.abort_step(plan)
         except Exception as e:  # noqa: BLE001 - the step's error is reported already
             self.log.error("kv_connector_failed", step_id=plan.step_id, error=repr(e))
             return output

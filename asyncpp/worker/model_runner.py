@@ -12,8 +12,9 @@
 
 Every step binds the plan's KV connector metadata before the forward
 (`pre_forward`, which also starts loads), empty steps included, and clears
-it in `post_forward`; a failed step ends with `abort_step()`, which still
-collects the connector's reports but saves nothing.
+it in `post_forward`; a step that failed anywhere on this stage ends with
+`abort_step(plan)`, which binds it if that never happened, saves only what a
+finished forward wrote, and still collects the connector's reports.
 
 The runner keeps per-request sampling state (seeded generators, token history
 for penalties) keyed by request id; everything else comes from the plan. The
@@ -99,6 +100,7 @@ class ModelRunner:
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
         self.execute_state: ExecuteModelState | None = None
+        self.forward_step_id = -1  # the latest step whose forward ran to its end (its KV is written)
         self.kv_connector = kv_connector or KVConnectorWrapper()
         self.kv_connector.register_kv_caches(kv_caches, model.start_layer)
 
@@ -168,6 +170,7 @@ class ModelRunner:
                 intermediate,
                 layer_range,
             )
+        self.forward_step_id = plan.step_id
         if not self.is_last:
             return out
         logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None
@@ -206,11 +209,11 @@ class ModelRunner:
         kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
-    def abort_step(self) -> ModelRunnerOutput:
-        """A step that failed on this stage: drop its state; report transfers, save nothing it wrote."""
-        state, self.execute_state = self.execute_state, None
-        finished = state.finished_req_ids if state is not None else frozenset()
-        kv_output = self.kv_connector.post_forward(finished, wait_for_save=False)
+    def abort_step(self, plan: StepPlan) -> ModelRunnerOutput:
+        """A step that failed on this stage, before, in or after its forward: drop its state and end
+        its KV transfers (loads started or reported failed; saves only of what the forward wrote)."""
+        self.execute_state = None
+        kv_output = self.kv_connector.abort_step(plan, is_forward_done=self.forward_step_id == plan.step_id)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
     def propose_drafts(self, state: ExecuteModelState, output: ModelRunnerOutput | None) -> None:

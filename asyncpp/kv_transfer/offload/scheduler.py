@@ -7,7 +7,8 @@ once every stage has stored its layers.
 
 * Saves: every full block a plan computes (its hash known) that the store
   does not hold gets a slot and a save; the slot stays PENDING until the
-  request is finished sending on every stage, then READY.
+  request is finished sending on every stage, then READY, or free again if
+  any stage's save failed, was skipped (its step failed) or timed out.
 * Loads: a waiting request's leading READY blocks after the engine's own
   cache hits load asynchronously; their slots are pinned (never evicted or
   overwritten) until every stage has reported the load. A block that failed
@@ -125,7 +126,9 @@ class OffloadScheduler(KVConnectorScheduler):
                 self.log.warning("kv_store_blocks_dropped", request_id=request_id, num_blocks=len(bad))
                 self.index.discard(bad)
         for request_id in output.finished_sending:
-            self.index.complete_store(self._saving.pop(request_id, []))
+            # A save that failed (or was skipped, or timed out) on any stage leaves its slots
+            # unverifiable there: drop them rather than offer them to loads.
+            self.index.complete_store(self._saving.pop(request_id, []), success=request_id not in output.failed_sending)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id

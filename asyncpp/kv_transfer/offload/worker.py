@@ -1,46 +1,69 @@
 """Worker side of the offload connector: one stage's store, and a thread that moves its blocks.
 
 Loads and saves run on one transfer thread per stage, in submission order,
-off the step's critical path (the copies release the GIL). Why the blocks
-they touch stay put meanwhile:
+off the step's critical path (`BlockMover`: whole block runs per call, the
+copies release the GIL; on CUDA through pinned staging on a side stream).
+Why the blocks they touch stay put meanwhile:
 * a load fills blocks of a request the engine does not schedule (nor let
   any other request hit in its prefix cache) until every stage reported it;
 * a save reads full blocks of a scheduled request after this stage's
-  forward wrote them. The engine keeps a finished request's blocks until it
-  is reported here (`finished_sending`, once the request is in
-  `finished_req_ids` and its saves are done), and a preempted request's
-  blocks, freed at once, are reused only by a later plan, whose
-  `pre_forward` first waits for its saves (`handle_preemptions`).
-A record that is missing, truncated or corrupted (header and checksum are
-checked) is a miss: its block id is reported as failed, and the engine
-recomputes it.
+  forward wrote them (on CUDA it waits for an event recorded after that
+  forward). The engine keeps a finished request's blocks until it is
+  reported here (`finished_sending`, once the request is in `held_req_ids`
+  and its saves are done), and a preempted request's blocks, freed at once,
+  are reused only by a later plan, whose `pre_forward` first waits for its
+  saves (`handle_preemptions`, at most `save_timeout_s`, then aborts them).
+Every job touches the cache only through its guard (`_Job.cache_access`):
+`abort_transfers` cancels a job under that lock, so once it returns the job
+never touches the cache again, wherever its thread is stuck. A record that
+is missing, truncated or corrupted (header and checksum are checked) is a
+miss: its block id is reported as failed, and the engine recomputes it. A
+save that raised, was cancelled or never ran makes its request's send fail
+(`failed_sending`): the engine then drops its slots instead of marking them
+loadable.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 
 import torch
 
 from asyncpp.dtypes import torch_dtype
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorWorker
-from asyncpp.kv_transfer.metadata import BlockTransfer, KVTransferStats
-from asyncpp.kv_transfer.offload.blocks import gather_blocks, scatter_blocks
+from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
 from asyncpp.kv_transfer.offload.layout import shm_name, stage_dir, stage_layouts
+from asyncpp.kv_transfer.offload.mover import BlockMover, TransferCancelled
 from asyncpp.kv_transfer.offload.store import BlockStore, DirBlockStore, ShmBlockStore
 from asyncpp.logging import get_logger
 
 
-@dataclass(frozen=True)
-class _Done:
-    """What one transfer job did."""
+@dataclass
+class _Job:
+    """One load or save on the transfer thread, cancellable between its touches of the cache."""
 
-    num_blocks: int
-    num_bytes: int
-    duration_s: float
-    failed_block_ids: tuple[int, ...] = ()
+    transfer: BlockTransfer
+    step_id: int
+    future: Future | None = None
+    is_cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def cache_access(self) -> Iterator[None]:
+        with self.lock:
+            if self.is_cancelled:
+                raise TransferCancelled(f"request {self.transfer.request_id}: transfer aborted")
+            yield
+
+    def cancel(self) -> None:
+        """Waits for a copy under way to end: afterwards the job never touches the cache."""
+        with self.lock:
+            self.is_cancelled = True
 
 
 class OffloadWorker(KVConnectorWorker):
@@ -53,12 +76,14 @@ class OffloadWorker(KVConnectorWorker):
             else DirBlockStore(stage_dir(ctx, pp_rank), self.layout)
         )
         self.log = get_logger(role="kv_connector", connector="offload", pp_rank=pp_rank)
-        self._kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.mover: BlockMover | None = None
+        self._is_cuda = False
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-offload-{pp_rank}")
-        self._loads: dict[str, tuple[BlockTransfer, Future]] = {}
-        self._saves: dict[str, list[Future]] = {}  # request -> its save jobs not collected yet
-        self._has_saved: set[str] = set()  # requests with saves, until reported finished sending
-        self._finished: set[str] = set()  # of those, the ones the engine has finished
+        self._loads: dict[str, _Job] = {}
+        self._saves: dict[str, list[_Job]] = {}  # request -> its save jobs not collected yet
+        self._held: set[str] = set()  # the engine waits for their sends: report once saves are done
+        self._failed_saves: set[str] = set()  # some save of theirs failed, was cancelled or skipped
+        self._finished_sending_failed: set[str] = set()  # of the latest finished_sending
         self._failed_block_ids: set[int] = set()
         self._stats = KVTransferStats()  # since the last report
 
@@ -66,47 +91,79 @@ class OffloadWorker(KVConnectorWorker):
         layers = sorted(kv_caches)
         if layers != list(range(self.start_layer, self.end_layer)):
             raise ValueError(f"stage {self.pp_rank} owns layers {self.start_layer}..{self.end_layer}, got {layers}")
-        self._kv_caches = [kv_caches[layer] for layer in layers]
-        dtype = self._kv_caches[0][0].dtype
+        caches = [kv_caches[layer] for layer in layers]
+        dtype = caches[0][0].dtype
         if dtype != torch_dtype(self.layout.dtype):
             raise ValueError(f"KV cache dtype {dtype} but the store's is {self.layout.dtype}")
+        self.mover = BlockMover(caches, self.layout.block_size, self.store)  # refuses what it cannot move
+        self._is_cuda = caches[0][0].device.type == "cuda"
 
     # ---- per step -------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        self._held.update(metadata.held_req_ids)
+
     def start_load_kv(self, step_id: int) -> None:
         for load in self.metadata.loads:
             self.log.info("kv_load_started", step_id=step_id, request_id=load.request_id, num_blocks=len(load.block_ids))
-            self._loads[load.request_id] = (load, self._thread.submit(self._load, load, step_id))
+            job = _Job(load, step_id)
+            job.future = self._thread.submit(self._load, job)
+            self._loads[load.request_id] = job
 
     def save_kv(self, step_id: int) -> None:
+        ready = self._forward_done_event()
         for save in self.metadata.saves:
             self.log.debug("kv_save_started", step_id=step_id, request_id=save.request_id, num_blocks=len(save.block_ids))
-            self._saves.setdefault(save.request_id, []).append(self._thread.submit(self._save, save, step_id))
-            self._has_saved.add(save.request_id)
+            job = _Job(save, step_id)
+            job.future = self._thread.submit(self._save, job, ready)
+            self._saves.setdefault(save.request_id, []).append(job)
 
     def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
-        for request_id in preempted_req_ids:
-            for job in self._saves.get(request_id, ()):
-                job.result()  # their blocks are about to be reused
+        jobs = [job for request_id in preempted_req_ids for job in self._saves.get(request_id, ())]
+        if not jobs:
+            return
+        _, running = wait([job.future for job in jobs], timeout=self.ctx.save_timeout_s)
+        late = [job for job in jobs if job.future in running]
+        for job in late:  # their blocks are about to be reused: they must not read them any more
+            self.log.warning(
+                "kv_save_timed_out", step_id=job.step_id, request_id=job.transfer.request_id,
+                timeout_s=self.ctx.save_timeout_s,
+            )  # fmt: skip
+            self._drop_saves(job.transfer.request_id, [job])
+
+    def abort_transfers(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            load = self._loads.pop(request_id, None)
+            if load is not None:
+                load.cancel()
+            self._drop_saves(request_id, list(self._saves.get(request_id, ())))
+            self._held.discard(request_id)  # the wrapper reports it
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
         finished_recving = set()
-        for request_id, (load, job) in list(self._loads.items()):
-            if job.done():
+        for request_id, job in list(self._loads.items()):
+            if job.future.done():
                 del self._loads[request_id]
                 finished_recving.add(request_id)
-                if not self._collect(job, "load"):
-                    self._failed_block_ids.update(load.block_ids)  # nothing it loaded can be trusted
+                self._collect_load(job)
         for request_id, jobs in list(self._saves.items()):
-            for job in [j for j in jobs if j.done()]:
+            for job in [j for j in jobs if j.future.done()]:
                 jobs.remove(job)
-                self._collect(job, "save")
+                self._collect_save(job)
             if not jobs:
                 del self._saves[request_id]
-        self._finished |= finished_req_ids & self._has_saved
-        finished_sending = {r for r in self._finished if r not in self._saves}
-        self._finished -= finished_sending
-        self._has_saved -= finished_sending
+        finished_sending = {r for r in self._held if r not in self._saves}
+        self._held -= finished_sending
+        self._finished_sending_failed = finished_sending & self._failed_saves
+        for request_id in self._finished_sending_failed:
+            self.log.warning("kv_send_failed", request_id=request_id)
+        # Finished and not held (or reported now): nobody asks about their saves any more.
+        self._failed_saves -= finished_sending | (finished_req_ids - self._held)
         return frozenset(finished_sending), frozenset(finished_recving)
+
+    def get_failed_sending(self) -> frozenset[str]:
+        failed, self._finished_sending_failed = self._finished_sending_failed, set()
+        return frozenset(failed)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         failed, self._failed_block_ids = self._failed_block_ids, set()
@@ -117,59 +174,87 @@ class OffloadWorker(KVConnectorWorker):
         return stats
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        for job in [*self._loads.values(), *(j for jobs in self._saves.values() for j in jobs)]:
+            job.cancel()  # a stuck store must not hold the stage's exit
+        self._thread.shutdown(wait=False, cancel_futures=True)
         self.store.close()
         if isinstance(self.store, ShmBlockStore):
             self.store.unlink()
 
-    # ---- on the transfer thread -----------------------------------------------------------
-    def _load(self, load: BlockTransfer, step_id: int) -> _Done:
-        t0 = time.perf_counter()
-        payload = torch.empty((len(load.block_ids), *self.layout.payload_shape), dtype=torch_dtype(self.layout.dtype))
-        good, failed = [], []
-        for i, (block_hash, slot) in enumerate(zip(load.block_hashes, load.slots)):
-            reason = self.store.read_into(slot, block_hash, payload[i])
-            if reason is None:
-                good.append(i)
-            else:
-                failed.append(load.block_ids[i])
-                self.log.warning(
-                    "kv_load_miss", step_id=step_id, request_id=load.request_id, slot=slot,
-                    block_hash=block_hash.hex()[:16], reason=reason,
-                )
-        if good:
-            scatter_blocks(self._kv_caches, [load.block_ids[i] for i in good], self.layout.block_size, payload[good])
-        done = _Done(len(good), len(good) * self.layout.payload_nbytes, time.perf_counter() - t0, tuple(failed))
-        self.log.info(
-            "kv_load_finished", step_id=step_id, request_id=load.request_id, num_blocks=done.num_blocks,
-            num_failed_blocks=len(failed), duration_ms=round(done.duration_s * 1e3, 3),
-        )
-        return done
+    # ---- helpers --------------------------------------------------------------------------
+    def _forward_done_event(self) -> torch.cuda.Event | None:
+        """CUDA: the point on the compute stream after the forward that wrote the blocks to save."""
+        if not self._is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
-    def _save(self, save: BlockTransfer, step_id: int) -> _Done:
-        t0 = time.perf_counter()
-        payload = gather_blocks(self._kv_caches, save.block_ids, self.layout.block_size)
-        for i, (block_hash, slot) in enumerate(zip(save.block_hashes, save.slots)):
-            self.store.write(slot, block_hash, payload[i])
-        done = _Done(len(save.block_ids), len(save.block_ids) * self.layout.payload_nbytes, time.perf_counter() - t0)
-        self.log.debug(
-            "kv_save_finished", step_id=step_id, request_id=save.request_id, num_blocks=done.num_blocks,
-            duration_ms=round(done.duration_s * 1e3, 3),
-        )
-        return done
+    def _drop_saves(self, request_id: str, jobs: list[_Job]) -> None:
+        """Cancel these save jobs; the request's stored blocks cannot be trusted."""
+        if not jobs:
+            return
+        for job in jobs:
+            job.cancel()
+        remaining = [job for job in self._saves.get(request_id, ()) if job not in jobs]
+        if remaining:
+            self._saves[request_id] = remaining
+        else:
+            self._saves.pop(request_id, None)
+        self._failed_saves.add(request_id)
 
-    def _collect(self, job: Future, kind: str) -> bool:
-        """Account for a finished job; False if it raised."""
+    def _collect_load(self, job: _Job) -> None:
+        load = job.transfer
         try:
-            done: _Done = job.result()
-        except Exception as e:  # noqa: BLE001 - a failed save leaves its slots unverifiable: loads check them
-            self.log.error(f"kv_{kind}_failed", error=repr(e))
-            return False
-        self._failed_block_ids.update(done.failed_block_ids)
-        add = (
-            KVTransferStats(num_blocks_loaded=done.num_blocks, num_bytes_loaded=done.num_bytes, load_time_s=done.duration_s)
-            if kind == "load"
-            else KVTransferStats(num_blocks_saved=done.num_blocks, num_bytes_saved=done.num_bytes, save_time_s=done.duration_s)
-        )
-        self._stats = self._stats + add
-        return True
+            num_bytes, duration_s, failed = job.future.result()
+        except TransferCancelled:
+            return  # aborted: the wrapper reports it
+        except Exception as e:  # noqa: BLE001 - nothing it loaded can be trusted: recompute it all
+            self.log.error("kv_load_failed", step_id=job.step_id, request_id=load.request_id, error=repr(e))
+            self._failed_block_ids.update(load.block_ids)
+            return
+        self._failed_block_ids.update(load.block_ids[i] for i in failed)
+        num_loaded = len(load.block_ids) - len(failed)
+        self._stats = self._stats + KVTransferStats(
+            num_blocks_loaded=num_loaded, num_bytes_loaded=num_bytes, load_time_s=duration_s
+        )  # fmt: skip
+
+    def _collect_save(self, job: _Job) -> None:
+        save = job.transfer
+        try:
+            num_bytes, duration_s = job.future.result()
+        except Exception as e:  # noqa: BLE001 - its slots are dropped when the request's send is reported
+            if not isinstance(e, TransferCancelled):
+                self.log.error("kv_save_failed", step_id=job.step_id, request_id=save.request_id, error=repr(e))
+            self._failed_saves.add(save.request_id)
+            return
+        self._stats = self._stats + KVTransferStats(
+            num_blocks_saved=len(save.block_ids), num_bytes_saved=num_bytes, save_time_s=duration_s
+        )  # fmt: skip
+
+    # ---- on the transfer thread -----------------------------------------------------------
+    def _load(self, job: _Job) -> tuple[int, float, dict[int, str]]:
+        load, t0 = job.transfer, time.perf_counter()
+        failed = self.mover.load(load.block_ids, load.block_hashes, load.slots, job.cache_access)
+        for i, reason in failed.items():
+            self.log.warning(
+                "kv_load_miss", step_id=job.step_id, request_id=load.request_id, slot=load.slots[i],
+                block_hash=load.block_hashes[i].hex()[:16], reason=reason,
+            )  # fmt: skip
+        duration_s = time.perf_counter() - t0
+        num_loaded = len(load.block_ids) - len(failed)
+        self.log.info(
+            "kv_load_finished", step_id=job.step_id, request_id=load.request_id, num_blocks=num_loaded,
+            num_failed_blocks=len(failed), duration_ms=round(duration_s * 1e3, 3),
+        )  # fmt: skip
+        return num_loaded * self.layout.payload_nbytes, duration_s, failed
+
+    def _save(self, job: _Job, ready: torch.cuda.Event | None) -> tuple[int, float]:
+        save, t0 = job.transfer, time.perf_counter()
+        num_bytes = self.mover.save(save.block_ids, save.block_hashes, save.slots, job.cache_access, ready)
+        duration_s = time.perf_counter() - t0
+        self.log.debug(
+            "kv_save_finished", step_id=job.step_id, request_id=save.request_id, num_blocks=len(save.block_ids),
+            duration_ms=round(duration_s * 1e3, 3),
+        )  # fmt: skip
+        return num_bytes, duration_s

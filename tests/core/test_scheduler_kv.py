@@ -1,0 +1,193 @@
+"""The scheduler's KV-connector half (`core/scheduler_kv.py`), pure: a scripted connector, a fake clock.
+
+Loads and sends end only when every stage reported them, each one has a
+deadline after which every stage is told to abort it, blocks are freed once
+no transfer holds them, "ask again later" holds up nobody else, and a failed
+step's KV leaves the prefix cache.
+"""
+
+from __future__ import annotations
+
+from sched_helpers import make_request
+
+from asyncpp.core.request import RequestStatus
+from asyncpp.core.scheduler import Scheduler
+from asyncpp.kv.block_manager import BlockManager
+from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler, PlanInfo
+from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
+
+BLOCK = 4
+PP = 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Connector(KVConnectorScheduler):
+    """Offers `offer_blocks` blocks to every request, holds finished ones when `hold`, and asks to be
+    asked again for the ids in `ask_again`."""
+
+    def __init__(self, offer_blocks: int = 0, hold: bool = False, ask_again=()) -> None:
+        super().__init__(ConnectorContext("scripted", PP, ((0, 1), (1, 2)), BLOCK, 1, 4, "float32", "m", "r",
+                                          load_timeout_s=5.0, save_timeout_s=7.0))
+        self.offer_blocks, self.hold, self.ask_again = offer_blocks, hold, set(ask_again)
+        self.offer_to_preempted_only = False
+        self.unsent: list[BlockTransfer] = []
+        self.outputs: list[KVConnectorOutput] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id in self.ask_again:
+            return None, False
+        if self.offer_to_preempted_only and not request.num_preemptions:
+            return 0, False
+        num_blocks = min(self.offer_blocks, (request.num_tokens - 1) // BLOCK - num_computed_tokens // BLOCK)
+        return (num_blocks * BLOCK, True) if num_blocks > 0 else (0, False)
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        if num_external_tokens:
+            self.unsent.append(BlockTransfer(request.request_id, block_ids[: num_external_tokens // BLOCK], []))
+
+    def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
+        loads, self.unsent = self.unsent, []
+        return KVConnectorMetadata(loads=loads)
+
+    def has_unsent_metadata(self) -> bool:
+        return bool(self.unsent)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.outputs.append(output)
+
+    def request_finished(self, request, block_ids):
+        return self.hold, None
+
+
+def scheduler(connector: Connector, clock: Clock, num_blocks: int = 16, prefix_caching: bool = True) -> Scheduler:
+    return Scheduler(
+        BlockManager(num_blocks, BLOCK, enable_prefix_caching=prefix_caching), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=num_blocks * BLOCK,
+        connector=connector, clock=clock,
+    )  # fmt: skip
+
+
+def report(s: Scheduler, plan, sampled=None, **per_stage) -> None:
+    """Every stage's output for `plan`: keyword `stageK=KVConnectorOutput`."""
+    outputs = [per_stage.get(f"stage{k}") for k in range(PP)]
+    s.update_from_output(plan, sampled or {}, s.merge_kv_outputs(outputs))
+
+
+def recv(*ids, invalid=()) -> KVConnectorOutput:
+    return KVConnectorOutput(finished_recving=frozenset(ids), invalid_block_ids=frozenset(invalid))
+
+
+def sent(*ids, failed=()) -> KVConnectorOutput:
+    return KVConnectorOutput(finished_sending=frozenset(ids), failed_sending=frozenset(failed))
+
+
+def test_a_load_past_its_deadline_is_aborted_and_recomputed():
+    clock, connector = Clock(), Connector(offer_blocks=2)
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11))))
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.loads[0].request_id == "a" and s.num_waiting_for_remote_kvs == 1
+    report(s, plan, stage0=recv("a"))  # stage 1 never reports
+    clock.now = 4.9
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.aborted_req_ids == []
+    report(s, plan)
+    clock.now = 5.0
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.aborted_req_ids == ["a"] and s.num_timed_out_transfers == 1
+    report(s, plan, stage1=recv("a"))  # its wrapper ends it; stage 0's report counted already
+    assert s.num_waiting_for_remote_kvs == 0 and s.num_partly_reported_transfers == 0
+    assert s.stats().num_failed_load_tokens == 2 * BLOCK  # every loaded block is recomputed
+    plan = s.schedule()
+    assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 10
+    assert not s.has_pending_transfers()
+
+
+def test_a_send_past_its_deadline_fails_and_frees_the_blocks():
+    clock, connector = Clock(), Connector(hold=True)
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", [1, 2, 3, 4, 5], max_tokens=1))
+    plan = s.schedule()
+    report(s, plan, {"a": [9]})
+    assert s.num_held_for_transfer == 1
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.held_req_ids == ["a"] and plan.finished_req_ids == ["a"]
+    report(s, plan, stage1=sent("a"))
+    clock.now = 7.0
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.aborted_req_ids == ["a"]
+    assert s._block_manager.num_free_blocks < 16  # held until every stage has reported
+    report(s, plan, stage0=sent("a", failed={"a"}))
+    assert connector.outputs[-1].failed_sending == {"a"}  # the connector drops what it wrote
+    assert s.num_held_for_transfer == 0 and s._block_manager.num_free_blocks == 16
+    assert s.get_request("a") is None and not s.has_pending_transfers()
+
+
+def test_a_request_finished_while_loading_and_held_keeps_its_blocks_until_both_end():
+    clock, connector = Clock(), Connector(offer_blocks=1, hold=True)
+    connector.offer_to_preempted_only = True
+    s = scheduler(connector, clock, num_blocks=6, prefix_caching=False)  # what it computed is gone
+    s.add_request(make_request("old", list(range(1, 9)), max_tokens=12, ignore_eos=True))
+    s.add_request(make_request("a", list(range(20, 28)), max_tokens=12, ignore_eos=True))
+    for _ in range(100):  # "old" grows until it takes a's blocks; "a" comes back through a load
+        if s.num_waiting_for_remote_kvs:
+            break
+        plan = s.schedule(allow_empty=True)
+        report(s, plan, {r.request_id: [5] for r in plan.scheduled if r.do_sample})
+    assert s.get_request("a").status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.held_req_ids == ["a"]  # its saves may still read its blocks
+    report(s, plan, stage0=recv("a"), stage1=recv("a"))
+    assert s._block_manager.has_blocks("a")  # the load ended, the send did not
+    report(s, s.schedule(allow_empty=True), stage0=sent("a"), stage1=sent("a"))
+    assert not s._block_manager.has_blocks("a") and s.get_request("a") is None
+
+
+def test_ask_again_later_skips_the_request_for_others_until_its_deadline():
+    clock, connector = Clock(), Connector(ask_again={"a"})
+    s = scheduler(connector, clock)
+    for name in "abc":
+        s.add_request(make_request(name, [1, 2, 3]))
+    plan = s.schedule()
+    assert [r.request_id for r in plan.scheduled] == ["b", "c"]  # "a" keeps its place, waiting
+    assert s.num_waiting == 1
+    report(s, plan, {"b": [7], "c": [7]})
+    clock.now = 5.0
+    plan = s.schedule()
+    assert "a" in [r.request_id for r in plan.scheduled]  # asked too long: computed instead
+
+
+def test_a_report_for_a_request_nobody_waits_for_is_ignored():
+    clock, connector = Clock(), Connector(offer_blocks=1)
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11))))
+    plan = s.schedule(allow_empty=True)
+    report(s, plan, stage0=recv("a", "ghost"), stage1=sent("ghost"))
+    assert s.num_partly_reported_transfers == 1  # only "a", from stage 0
+    report(s, s.schedule(allow_empty=True), stage1=recv("a"))
+    assert s.num_partly_reported_transfers == 0 and connector.outputs[-1].finished_recving == {"a"}
+
+
+def test_a_failed_step_uncaches_its_blocks_and_fails_requests_that_hit_them():
+    clock, connector = Clock(), Connector()
+    s = scheduler(connector, clock)
+    prompt = list(range(1, 10))  # two full blocks
+    s.add_request(make_request("a", prompt))
+    first = s.schedule()
+    s.add_request(make_request("b", prompt + [50]))
+    second = s.schedule()  # "b" hits a's blocks, registered when "a" was scheduled
+    assert second.scheduled[0].start_position == 2 * BLOCK
+    report(s, first)  # no sampled token: the step failed
+    assert s.discard_failed_step(first) == ["a", "b"]
+    s.add_request(make_request("c", prompt))
+    s.finish_requests(["a", "b"], RequestStatus.FINISHED_ERROR)
+    report(s, second)
+    plan = s.schedule()
+    assert plan.scheduled[0].start_position == 0  # no hit on the failed step's blocks
