@@ -14,9 +14,10 @@ the step it runs.
     (1-based; default 1), or `fail_on_step` its n-th step with tokens, or
     with `fail_on_load` its first step with tokens that starts loads;
   - `save_fault` / `load_fault`: "raise" or "hang" (`hang_s` seconds,
-    outside the cache guard, like a stuck disk) for every save / load job
-    on stage `fault_pp_rank` (None: every stage), from its
-    `fault_after`-th job on (0-based; default 0).
+    outside the cache guard, like a stuck disk), or "raise|hang" for either,
+    for every save / load job on stage `fault_pp_rank` (None: every stage),
+    from its `fault_after`-th job on (0-based; default 0); with `fault_rate`
+    < 1 only for that share of them, drawn from `seed` (+ the stage's rank).
 * `stuck`: moves nothing and never reports: with `load_blocks` > 0 it offers
   loads, it holds every finished request's blocks for a "send", and with
   `ask_again_token` it answers "ask again later" for prompts starting with
@@ -25,6 +26,7 @@ the step it runs.
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
@@ -55,7 +57,9 @@ class FaultyWorker(OffloadWorker):
         self.load_fault = o.get("load_fault") if is_faulty_stage else None
         self.hang_s = float(o.get("hang_s", 5.0))
         self.fault_after = int(o.get("fault_after", 0))
-        self.num_save_steps = self.num_steps = self.num_save_jobs = self.num_load_jobs = 0
+        self.fault_rate = float(o.get("fault_rate", 1.0))
+        self.rng = random.Random(int(o.get("seed", 0)) * 100 + pp_rank)
+        self.num_save_steps = self.num_steps = self.num_save_jobs = self.num_load_jobs = self.num_faults = 0
         self.armed: str | None = None  # where the step now running fails
         self.num_loads_started: dict[str, int] = {}  # request -> start_load_kv calls that started it
 
@@ -104,9 +108,10 @@ class FaultyWorker(OffloadWorker):
         return super()._load(job)
 
     def _job_fault(self, fault: str | None, num_jobs: int, kind: str, job) -> None:
-        if fault is None or num_jobs <= self.fault_after:
+        if fault is None or num_jobs <= self.fault_after or self.rng.random() >= self.fault_rate:
             return
-        if fault == "raise":
+        self.num_faults += 1
+        if self.rng.choice(fault.split("|")) == "raise":
             raise OSError(f"injected fault: {kind} of {job.transfer.request_id} on stage {self.pp_rank}")
         time.sleep(self.hang_s)  # a stuck store: the job has not touched the cache yet
 
