@@ -1,4 +1,5 @@
-"""KV-transfer failure paths in the launched runtime (stage processes, tiny model, pp=2).
+"""KV-transfer failure paths in the launched runtime (stage processes, tiny model, pp=2): failing
+steps, failing and hanging saves and loads, a connector that never reports, a stage killed.
 
 The faults of `tests.kv_transfer.faults` are injected through config alone,
 in every stage process. After each, the engine must settle on its own:
@@ -10,16 +11,18 @@ request is then served token for token.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
-from asyncpp.client import AsyncClient
+from asyncpp.client import AsyncClient, RequestFailedError
 from asyncpp.engine.engine import Engine
-from asyncpp.client import RequestFailedError
+from asyncpp.errors import EngineDeadError
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
 from tests.runtime.conftest import collect, is_idle, log_events, poll_until
-from tests.runtime.harness import launched, tiny_sections
+from tests.runtime.harness import launched, shm_segments, tiny_sections
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PREFIX = [(7 * i + 3) % 300 + 3 for i in range(160)]
@@ -97,3 +100,51 @@ async def test_transfers_that_never_finish_time_out_in_every_stage(tmp_path, tin
     assert timed_out and all(e == "kv_transfer_timed_out" for e in timed_out)
     for rank in (0, 1):  # each stage was told to stop them, and said so
         assert "kv_transfer_aborted" in log_events(engine.log_file, pp_rank=rank)
+
+
+@pytest.mark.parametrize(
+    "options,timeouts",
+    [
+        ({"save_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"save_timeout_s": 0.3}),
+        ({"load_fault": "raise", "fault_pp_rank": 0}, {}),
+        ({"load_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"load_timeout_s": 0.3}),
+    ],
+    ids=["save-hangs", "load-raises", "load-hangs"],
+)
+async def test_failing_and_hanging_transfers_in_stage_processes(tmp_path, tiny_hf_dir, expected_later, options, timeouts):
+    filler = [(11 * i + 1) % 290 + 5 for i in range(200)]  # flushes FIRST out of the 20-block cache
+    kv = {"connector": "faulty", "options": options, **timeouts}
+    with launched(tmp_path, sections(tiny_hf_dir, kv)) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            for prompt in (FIRST, filler, filler[::-1]):
+                await collect(client, prompt, GREEDY)
+            await assert_settles(client)
+            tokens, _, _ = await collect(client, LATER, GREEDY)
+            stats = await assert_settles(client)
+        finally:
+            client.close()
+    assert tokens == expected_later  # whatever failed was recomputed
+    if "load_fault" in options:
+        assert stats["num_failed_load_tokens"] > 0 and stats["num_external_prefix_hit_tokens"] == 0
+    if timeouts:
+        assert stats["num_timed_out_transfers"] >= 1
+
+
+async def test_a_stage_dying_with_the_offload_connector_leaves_no_store_behind(tmp_path, tiny_hf_dir):
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    with launched(tmp_path, sections(tiny_hf_dir, {"connector": "offload"})) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            stats = await client.stats()
+            run_id = stats["run_id"]
+            stream = asyncio.create_task(collect(client, FIRST[:40], long))
+            await poll_until(client.stats, lambda s: s["kv_blocks_saved"] > 0, 30)
+            assert len([name for name in shm_segments() if run_id in name and "-kv" in name]) == 2  # the stores
+            os.kill(stats["stage_pids"][1], signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(stream, timeout=30)
+        finally:
+            client.close()
+        assert engine.wait(timeout_s=30) != 0
+    assert not [name for name in shm_segments() if run_id in name]  # the dead stage's store too
