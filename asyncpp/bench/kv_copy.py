@@ -2,13 +2,16 @@
 
 One stage's paged cache (default: SmolLM2-135M's stage at pp=2: 15 layers,
 3 KV heads of 64, blocks of 16, bfloat16) and its store. A repetition picks
-`--blocks` blocks at random cache positions and as many random slots, then
-times, in an order that alternates between repetitions:
+`--blocks` blocks and as many slots (`--placement random`, the worst case:
+each anywhere; `runs`: consecutive block ids and consecutive slots, each run
+at a random start, as a request's blocks and a store's free slots usually
+lie), then times, in an order that alternates between repetitions:
 
 * `memcpy`: `dst.copy_(src)` of the same number of bytes, contiguous (with
   `--device cuda`: a device -> pinned host copy of them);
 * per store (`--stores`: shm, dir): `BlockMover.save` of those blocks into
-  those slots and `BlockMover.load` of them back into other random blocks;
+  those slots and `BlockMover.load` of them back into other blocks, placed
+  alike (on CPU the report says whether the `kv_records` kernel copied);
 * `old` (CPU only): what the worker did before the mover, `gather_blocks`
   then `store.write` per block, and `store.read_into` per block then
   `scatter_blocks`.
@@ -34,6 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.kv_records import kv_record_kernel
 from asyncpp.kv_transfer.offload.blocks import gather_blocks, scatter_blocks
 from asyncpp.kv_transfer.offload.mover import BlockMover
 from asyncpp.kv_transfer.offload.store import BlockStore, DirBlockStore, ShmBlockStore, StoreLayout, store_fingerprint
@@ -80,9 +85,15 @@ class Bench:
 
     def pick(self) -> tuple[list[int], list[bytes], list[int]]:
         n = self.args.blocks
-        block_ids = self.rng.choice(self.args.num_blocks, n, replace=False).tolist()
-        slots = self.rng.choice(self.args.num_slots, n, replace=False).tolist()
-        return block_ids, [self.rng.bytes(32) for _ in range(n)], slots
+        return self._place(self.args.num_blocks), [self.rng.bytes(32) for _ in range(n)], self._place(self.args.num_slots)
+
+    def _place(self, num: int) -> list[int]:
+        """`--blocks` distinct ids below `num`, as `--placement` lays them out."""
+        n = self.args.blocks
+        if self.args.placement == "runs":
+            start = int(self.rng.integers(0, num - n + 1))
+            return list(range(start, start + n))
+        return self.rng.choice(num, n, replace=False).tolist()
 
     def timed(self, fn) -> float:
         if self.args.evict_mb:
@@ -170,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=2048, help="blocks in the cache")
     parser.add_argument("--num-slots", type=int, default=1024, help="slots in the store")
     parser.add_argument("--blocks", type=int, default=64, help="blocks per save or load")
+    parser.add_argument(
+        "--placement", default="random", choices=["random", "runs"],
+        help="random: blocks and slots anywhere (the worst case); runs: consecutive ids from a random start",
+    )  # fmt: skip
     parser.add_argument("--stores", nargs="+", default=["shm", "dir"], choices=["shm", "dir"])
     parser.add_argument("--dir", type=Path, default=None, help="the dir store's folder (default: a temporary one, on /dev/shm if there)")
     parser.add_argument("--max-chunk-mb", type=int, default=16, help="the mover's chunk (one cache-guard entry)")
@@ -180,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
+    if args.blocks > min(args.num_blocks, args.num_slots):
+        raise SystemExit(f"--blocks {args.blocks}: more than the cache's {args.num_blocks} blocks or the store's {args.num_slots} slots")
     torch.set_num_threads(args.threads)
 
     with contextlib.ExitStack() as stack:
@@ -214,9 +231,13 @@ def report(bench: Bench, args: argparse.Namespace) -> None:
     print(
         f"{args.device} {args.dtype}: {args.layers} layers x {args.kv_heads} KV heads x {args.head_dim}, blocks of "
         f"{args.block_size} ({bench.layout.payload_nbytes / 1024:.1f} KiB each); {args.blocks} blocks of "
-        f"{args.num_blocks} -> slots of {args.num_slots} = {bench.nbytes / 1e6:.2f} MB a call; {args.threads} thread(s), "
+        f"{args.num_blocks} -> slots of {args.num_slots} ({args.placement}) = {bench.nbytes / 1e6:.2f} MB a call; {args.threads} thread(s), "
         f"median of {args.repeats}, {args.evict_mb} MB evicted before each call; memcpy = {baseline}"
     )
+    if args.device == "cpu":
+        kernel = kv_record_kernel()
+        how = "numpy (no kv_records kernel)" if kernel is None else f"the kv_records kernel at {native_level()}"
+        print(f"  host copies: {how}{'' if kernel is None or kernel.hw_crc else ', software CRC32C'}")
     memcpy_s = statistics.median(samples["memcpy"])
     for name in names:
         med = statistics.median(samples[name])

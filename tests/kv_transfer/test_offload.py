@@ -167,7 +167,7 @@ def test_a_load_that_raises_is_recomputed(tiny_hf_dir, expected):
         raise OSError("disk on fire")
 
     # Every read path of the store: one block (`read_into`), a batch, and the shm store's in-place check.
-    worker.store.read_into = worker.store.read_many_into = worker.store.verify = broken
+    worker.store.read_into = worker.store.read_many_into = worker.store.verify = worker.store.check_headers = broken
     assert run(e, LATER) == expected
     stats = e.scheduler.stats()
     assert stats.num_external_prefix_hit_tokens == 0 and stats.num_failed_load_tokens > 0

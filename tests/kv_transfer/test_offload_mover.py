@@ -1,6 +1,8 @@
 """The offload `BlockMover` on a CPU cache: bit-exact round trips through both stores, damaged
 records come back as misses of their block only, and the cache guard brackets every cache access
-(a cancelled job stops, leaving misses, never a mix of old and new bytes)."""
+(a cancelled job stops, leaving misses, never a mix of old and new bytes). Its in-place shm path,
+step by step, with the `kv_records` kernel at every ISA level and without it (numpy and crc32c):
+the same records and verdicts whichever level wrote or reads them."""
 
 from __future__ import annotations
 
@@ -8,9 +10,14 @@ import contextlib
 import os
 import uuid
 
+import crc32c
+import numpy as np
 import pytest
 import torch
 
+from asyncpp.kernels.isa import cpu_info
+from asyncpp.kernels.kv_records import kv_record_kernel
+from asyncpp.kv_transfer.offload.copier import HostCopier
 from asyncpp.kv_transfer.offload.mover import BlockMover, TransferCancelled
 from asyncpp.kv_transfer.offload.store import (
     DirBlockStore, HEADER_NBYTES, ShmBlockStore, StoreLayout, store_fingerprint,
@@ -225,3 +232,121 @@ def test_a_shm_record_copied_but_not_sealed_is_a_miss():
     finally:
         store.close()
         store.unlink()
+
+
+# ---- the in-place shm path, step by step, per ISA level ----------------------------------------
+# None: no kernel (numpy copies, crc32c checksums); generic: kernel copies, crc32c checksums (no SSE4.2).
+LEVELS = [None] + [level for level in cpu_info().supported_levels if level != "amx"]
+
+
+@pytest.fixture
+def shm_pair():
+    """make(save_isa, load_isa): two stores on one new segment, each with its own kernel level."""
+    made = []
+
+    def make(save_isa, load_isa, lay=None):
+        if kv_record_kernel("generic") is None and (save_isa or load_isa):
+            pytest.skip("no C compiler: kv_records kernel unavailable")
+        lay = lay or layout("bfloat16")
+        name = f"asyncpp-test-kvmover-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        writer = ShmBlockStore(name, lay, create=True, isa=save_isa)
+        made.append(writer)
+        reader = ShmBlockStore(name, lay, create=False, isa=load_isa)
+        made.append(reader)
+        return writer, reader
+
+    yield make
+    for store in made:
+        store.close()
+    for reader in made[1::2]:  # the reader's unlink, not the owner's: its attach took the owner's tracker entry
+        reader.unlink()
+    assert not [n for n in shm_segments("asyncpp-test-kvmover-") if str(os.getpid()) in n]
+
+
+def save_in_place(copier: HostCopier, store: ShmBlockStore, block_ids, hashes, slots) -> None:
+    """What the mover does for a chunk: headers zeroed, pieces copied (and checksums noted), headers written."""
+    store.begin_write(slots)
+    copier.gather_into(np.asarray(block_ids), store.payload_records(), np.asarray(slots))
+    store.seal(slots, hashes)
+
+
+@pytest.mark.parametrize("save_isa", LEVELS)
+@pytest.mark.parametrize("load_isa", LEVELS)
+def test_in_place_records_and_verdicts_are_the_same_at_every_level(shm_pair, save_isa, load_isa):
+    writer, reader = shm_pair(save_isa, load_isa)
+    lay = writer.layout
+    src, dst = caches(torch.bfloat16), caches(torch.bfloat16, "zeros")
+    save_in_place(HostCopier(src, lay, 4, isa=save_isa), writer, SRC, H[:5], SLOTS)
+    for slot, block_id in zip(SLOTS, SRC):  # the format's CRC32C, whoever computed it
+        header = reader.check_headers([slot], [H[SRC.index(block_id)]])
+        assert header[0] == [None] and int(header[1][0]) == crc32c.crc32c(reader.payload_records()[slot].tobytes())
+    damage(reader, SLOTS[1], "flip")
+    hashes = list(H[:5])
+    hashes[4] = H[7]
+    reasons = reader.verify(SLOTS, hashes)
+    assert reasons == [None, "checksum mismatch", None, None, "hash mismatch"]
+    good = [i for i, reason in enumerate(reasons) if reason is None]
+    copier = HostCopier(dst, lay, 4, isa=load_isa)
+    copier.scatter_from(np.array([DST[i] for i in good]), reader.payload_records(), np.array([SLOTS[i] for i in good]))
+    for i in range(5):
+        assert same_block(src, SRC[i], dst, DST[i]) if i in good else all(not x.any() for x in block(dst, DST[i]))
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_a_scatter_checked_against_the_headers_copies_intact_records_only(shm_pair, isa):
+    """check_headers gives the CRC32C each payload must have without reading it; scatter_from with them
+    checks each record before copying it, and copies none that fails."""
+    writer, reader = shm_pair(isa, isa)
+    src, dst = caches(torch.bfloat16), caches(torch.bfloat16, "zeros")
+    save_in_place(HostCopier(src, writer.layout, 4, isa=isa), writer, SRC, H[:5], SLOTS)
+    damage(reader, SLOTS[2], "flip")
+    reasons, crcs = reader.check_headers(SLOTS, H[:5])
+    assert reasons == [None] * 5  # headers only: the flipped payload bit is not seen here
+    intact = HostCopier(dst, reader.layout, 4, isa=isa).scatter_from(
+        np.array(DST), reader.payload_records(), np.array(SLOTS), crcs
+    )
+    assert intact.tolist() == [True, True, False, True, True]
+    assert all(same_block(src, SRC[i], dst, DST[i]) for i in (0, 1, 3, 4))
+    assert all(not x.any() for x in block(dst, DST[2]))
+
+
+def test_seal_writes_the_checksum_of_what_was_copied_and_begin_write_forgets_it(shm_pair):
+    writer, reader = shm_pair("auto", None)
+    if not kv_record_kernel().hw_crc:
+        pytest.skip("no hardware CRC32C: the copier leaves checksums to seal")
+    lay = writer.layout
+    records = writer.payload_records()
+    src = caches(torch.bfloat16)
+    copier = HostCopier(src, lay, 4)
+    writer.begin_write([2, 6])
+    copier.gather_into(np.array([4, 9]), records, np.array([2, 6]))
+    assert [int(records.noted_crcs[s]) for s in (2, 6)] == [crc32c.crc32c(records[s].tobytes()) for s in (2, 6)]
+    assert records[1:3].noted_crcs is None  # a view takes no notes
+    records[6, 5] ^= 1  # written behind the copier's back: the header keeps what was copied, a miss
+    writer.seal([2, 6], [H[0], H[1]])
+    assert (records.noted_crcs == -1).all()
+    assert reader.verify([2, 6], [H[0], H[1]]) == [None, "checksum mismatch"]
+    writer.begin_write([6])
+    copier.gather_into(np.array([9]), records, np.array([6]))
+    writer.begin_write([6])  # a new save: what the last copy noted no longer counts
+    assert records.noted_crcs[6] == -1
+    records[6, 5] ^= 1
+    writer.seal([6], [H[1]])  # checksummed as it is now
+    assert reader.verify([6], [H[1]]) == [None]
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+@pytest.mark.parametrize("kernel_writes", [True, False])
+def test_rows_written_and_read_in_batches_are_the_same_records(shm_pair, isa, kernel_writes):
+    """write_many / read_many_into (the CUDA mover's path, through staging rows) at this level, the
+    other side without the kernel."""
+    writer, reader = shm_pair(isa, None) if kernel_writes else shm_pair(None, isa)
+    rows = np.random.default_rng(0).integers(0, 256, (3, writer.layout.payload_nbytes), dtype=np.uint8)
+    writer.write_many([4, 0, 6], H[:3], rows)
+    damage(reader, 0, "flip")
+    out = np.zeros_like(rows)
+    assert reader.read_many_into([6, 0, 4, 5], [H[2], H[1], H[7], H[3]], np.zeros((4, rows.shape[1]), np.uint8)) == [
+        None, "checksum mismatch", "hash mismatch", "missing",
+    ]  # fmt: skip
+    assert reader.read_many_into([6, 4], [H[2], H[0]], out[:2]) == [None, None]
+    assert np.array_equal(out[0], rows[2]) and np.array_equal(out[1], rows[0])

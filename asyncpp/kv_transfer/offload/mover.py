@@ -7,8 +7,9 @@ mismatch: a bad record is a miss, never wrong KV). A job goes in chunks of
 at most `max_chunk_nbytes` of payload; per chunk:
 
 * CPU cache, shm store: straight between the cache and the records in the
-  segment (headers zeroed, pieces copied, then checksummed and sealed;
-  loads verify a record in place before copying it out).
+  segment (headers zeroed, pieces copied and checksummed in one pass by the
+  `kv_records` kernel, then sealed; loads check headers, then each record's
+  checksum as it is copied out, and never copy one that fails).
 * otherwise: through the copier's staging rows (pinned for a CUDA cache),
   and the store reads or writes those rows.
 
@@ -120,8 +121,8 @@ class BlockMover:
     def _load_chunk(
         self, block_ids: list[int], block_hashes: list[bytes], slots: list[int], cache_access: CacheAccess, ready
     ) -> dict[int, str]:
-        if self._in_place:
-            reasons = self.store.verify(slots, block_hashes)
+        if self._in_place:  # headers now; each payload's checksum as it is copied (one pass over it)
+            reasons, crcs = self.store.check_headers(slots, block_hashes)
         else:
             rows = self._copier.staging(len(slots))
             reasons = self.store.read_many_into(slots, block_hashes, rows)
@@ -133,7 +134,10 @@ class BlockMover:
         if self._in_place:
             slot_index = np.asarray([slots[i] for i in good], dtype=np.intp)
             with cache_access():
-                self._copier.scatter_from(blocks, self.store.payload_records(), slot_index)
+                intact = self._copier.scatter_from(blocks, self.store.payload_records(), slot_index, crcs[good])
+            # A record whose payload fails its checksum is never copied: its block keeps its bytes and
+            # is reported, so the engine recomputes it.
+            misses.update({good[k]: "checksum mismatch" for k in np.flatnonzero(~intact)})
             return misses
         if misses:  # the good rows first, in order: the copier loads staging row i into blocks[i]
             whole_rows(rows)[: len(good)] = whole_rows(rows)[good]
