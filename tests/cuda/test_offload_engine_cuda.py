@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config

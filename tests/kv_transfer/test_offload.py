@@ -129,7 +129,7 @@ def test_abort_during_load_and_during_save_frees_everything(tiny_hf_dir):
         read_into = w.store.read_into
         w.store.read_into = lambda *a, _r=read_into: (gate.wait(10), _r(*a))[1]
     rid = e.add_request(LATER, GREEDY)
-    while not any(w._loads for w in workers):
+    while not any(w.num_loads_in_flight for w in workers):
         e.step()
     assert e.scheduler.stats().num_waiting_for_remote_kvs == 1
     e.abort(rid)
@@ -145,7 +145,7 @@ def test_abort_during_load_and_during_save_frees_everything(tiny_hf_dir):
         write = w.store.write
         w.store.write = lambda *a, _w=write: (gate.wait(10), _w(*a))
     rid = e.add_request([5 + i % 250 for i in range(100)], GREEDY)
-    while not any(w._saves for w in workers):
+    while not any(w.num_saves_in_flight for w in workers):
         e.step()
     e.abort(rid)
     assert e.block_manager.has_blocks(rid) and e.scheduler.num_held_for_transfer == 1  # saves read them

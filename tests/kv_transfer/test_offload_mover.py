@@ -20,7 +20,7 @@ from asyncpp.kernels.kv_records import kv_record_kernel
 from asyncpp.kv_transfer.offload.copier import HostCopier
 from asyncpp.kv_transfer.offload.mover import BlockMover, TransferCancelled
 from asyncpp.kv_transfer.offload.store import (
-    DirBlockStore, HEADER_NBYTES, ShmBlockStore, StoreLayout, store_fingerprint,
+    HEADER_NBYTES, ShmBlockStore, StoreLayout, store_fingerprint,
 )
 from tests.runtime.harness import shm_segments
 
@@ -50,26 +50,6 @@ def block(kv_caches, b: int) -> list[torch.Tensor]:
 
 def same_block(a, b_a: int, b, b_b: int) -> bool:
     return all(torch.equal(x, y) for x, y in zip(block(a, b_a), block(b, b_b)))
-
-
-@pytest.fixture(params=["shm", "dir"])
-def make_store(request, tmp_path):
-    made = []
-
-    def make(lay: StoreLayout):
-        if request.param == "shm":
-            store = ShmBlockStore(f"asyncpp-test-kvmover-{os.getpid()}-{uuid.uuid4().hex[:8]}", lay, create=True)
-        else:
-            store = DirBlockStore(tmp_path / uuid.uuid4().hex[:8], lay)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        store.close()
-        if isinstance(store, ShmBlockStore):
-            store.unlink()
-    assert not [n for n in shm_segments("asyncpp-test-kvmover-") if str(os.getpid()) in n]
 
 
 class Guard:

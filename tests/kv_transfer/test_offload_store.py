@@ -21,26 +21,6 @@ def layout(dtype: str = "float32", model: str = "m", num_slots: int = 4) -> Stor
     return StoreLayout(num_slots, 3, 4, 2, 8, dtype, store_fingerprint(model, 0, 3, dtype, 4, 2, 8))
 
 
-@pytest.fixture(params=["shm", "dir"])
-def make_store(request, tmp_path):
-    made = []
-
-    def make(lay: StoreLayout, name: str = "a"):
-        if request.param == "shm":
-            store = ShmBlockStore(f"asyncpp-test-kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}", lay, create=True)
-        else:
-            store = DirBlockStore(tmp_path / name, lay)
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        store.close()
-        if isinstance(store, ShmBlockStore):
-            store.unlink()
-    assert not [n for n in shm_segments("asyncpp-test-kvstore-") if str(os.getpid()) in n]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_round_trip_is_bit_exact_and_checked(make_store, dtype):
     lay = layout(dtype)
@@ -172,3 +152,27 @@ def test_index_restore_keeps_order_and_skips_bad_slots():
     index.restore([(2, H[2]), (0, H[0]), (5, H[5]), (1, H[0])])
     assert index.num_ready == 2 and index.num_free_slots == 1
     assert index.prepare_store([H[6], H[7]]) == [(H[6], 1), (H[7], 2)]  # the free slot, then the oldest
+
+
+def test_a_prefaulted_shm_store_takes_writes_without_page_faults():
+    import resource
+
+    def minor_faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    lay = layout("bfloat16", num_slots=256)
+    store = ShmBlockStore(f"asyncpp-test-kvstore-{os.getpid()}-{uuid.uuid4().hex[:8]}", lay, create=True)
+    try:
+        payload = torch.ones(lay.payload_shape, dtype=torch.bfloat16)
+        before = minor_faults()
+        store.write(0, H[0], payload)  # a fresh page: faults
+        assert minor_faults() - before >= lay.payload_nbytes // 4096 // 2
+        store.prefault()
+        before = minor_faults()
+        for slot in range(1, 4):
+            store.write(slot, H[slot], payload)
+        assert minor_faults() - before < 8  # mapped already (a few for numpy's own temporaries)
+        assert store.read_into(0, H[0], torch.empty_like(payload)) is None  # prefaulting kept the record
+    finally:
+        store.close()
+        store.unlink()

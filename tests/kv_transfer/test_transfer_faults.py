@@ -65,7 +65,7 @@ def assert_settled(e: Engine) -> None:
         assert stats["kv_store_pending_blocks"] == 0 and stats["kv_store_pinned_blocks"] == 0
         for runner in e.executor.runners:
             worker = runner.kv_connector.connector
-            assert not worker._loads and not worker._saves and not worker._held
+            assert worker.is_idle
 
 
 def flush(e: Engine) -> None:

@@ -32,6 +32,7 @@ Which hash lives in which slot is decided by the engine's `OffloadIndex`.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 from abc import ABC, abstractmethod
@@ -359,6 +360,15 @@ class ShmBlockStore(BlockStore):
             if self._check_header(header, None)[0] is None:
                 found[slot] = _HEADER.unpack_from(header)[3]
         return found
+
+    def prefault(self) -> None:
+        """Map every page of the segment now. A fresh segment's pages fault (and are zeroed) on their
+        first write: while a store fills, that cost ~2% of a stage's CPU time in a workload with no
+        reuse (SmolLM2, pp=2, 64 in / 64 out, in-process: 30k faults per 48 requests); once
+        mapped, a save is only its copy. The offload worker prefaults its store at start-up (~0.7 s
+        per GB here). ORs each page's first byte with 0 (numpy skips a plain self-copy)."""
+        pages = self._records.reshape(-1)[:: mmap.PAGESIZE]
+        np.bitwise_or(pages, 0, out=pages)
 
     def close(self) -> None:
         if self._records is not None:

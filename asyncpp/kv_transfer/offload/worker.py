@@ -40,24 +40,36 @@ from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVT
 from asyncpp.kv_transfer.offload.layout import shm_name, stage_dir, stage_layouts
 from asyncpp.kv_transfer.offload.mover import BlockMover, TransferCancelled
 from asyncpp.kv_transfer.offload.store import BlockStore, DirBlockStore, ShmBlockStore
-from asyncpp.logging import get_logger
+from asyncpp.logging import get_logger, is_debug_enabled
 
 
 @dataclass
 class _Job:
-    """One load or save on the transfer thread, cancellable between its touches of the cache."""
+    """One load, or one step's saves, on the transfer thread, cancellable between its touches of the cache."""
 
-    transfer: BlockTransfer
+    transfers: list[BlockTransfer]
     step_id: int
     future: Future | None = None
     is_cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    @property
+    def request_ids(self) -> set[str]:
+        return {t.request_id for t in self.transfers}
+
+    def joined(self) -> tuple[list[int], list[bytes], list[int]]:
+        """(block ids, block hashes, slots) of all its transfers, in order."""
+        return (
+            [b for t in self.transfers for b in t.block_ids],
+            [h for t in self.transfers for h in t.block_hashes],
+            [s for t in self.transfers for s in t.slots],
+        )
+
     @contextlib.contextmanager
     def cache_access(self) -> Iterator[None]:
         with self.lock:
             if self.is_cancelled:
-                raise TransferCancelled(f"request {self.transfer.request_id}: transfer aborted")
+                raise TransferCancelled(f"step {self.step_id}: transfer of {sorted(self.request_ids)} aborted")
             yield
 
     def cancel(self) -> None:
@@ -75,12 +87,17 @@ class OffloadWorker(KVConnectorWorker):
             if ctx.store == "shm"
             else DirBlockStore(stage_dir(ctx, pp_rank), self.layout)
         )
+        if isinstance(self.store, ShmBlockStore):
+            self.store.prefault()  # at start-up, not in the first saves while serving
         self.log = get_logger(role="kv_connector", connector="offload", pp_rank=pp_rank)
+        self._is_debug = is_debug_enabled(self.log)
         self.mover: BlockMover | None = None
         self._is_cuda = False
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-offload-{pp_rank}")
         self._loads: dict[str, _Job] = {}
-        self._saves: dict[str, list[_Job]] = {}  # request -> its save jobs not collected yet
+        # Save jobs not collected yet, one per step (a step's saves move in one call: a job's fixed
+        # cost, not the bytes, dominates a decode step's few blocks).
+        self._save_jobs: list[_Job] = []
         self._held: set[str] = set()  # the engine waits for their sends: report once saves are done
         self._failed_saves: set[str] = set()  # some save of theirs failed, was cancelled or skipped
         self._finished_sending_failed: set[str] = set()  # of the latest finished_sending
@@ -98,6 +115,20 @@ class OffloadWorker(KVConnectorWorker):
         self.mover = BlockMover(caches, self.layout.block_size, self.store)  # refuses what it cannot move
         self._is_cuda = caches[0][0].device.type == "cuda"
 
+    @property
+    def num_loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    @property
+    def num_saves_in_flight(self) -> int:
+        """Save jobs (one per step with saves) not collected yet."""
+        return len(self._save_jobs)
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing moving, and no finished request waiting for its report."""
+        return not (self._loads or self._save_jobs or self._held)
+
     # ---- per step -------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(metadata)
@@ -106,38 +137,39 @@ class OffloadWorker(KVConnectorWorker):
     def start_load_kv(self, step_id: int) -> None:
         for load in self.metadata.loads:
             self.log.info("kv_load_started", step_id=step_id, request_id=load.request_id, num_blocks=len(load.block_ids))
-            job = _Job(load, step_id)
+            job = _Job([load], step_id)
             job.future = self._thread.submit(self._load, job)
             self._loads[load.request_id] = job
 
     def save_kv(self, step_id: int) -> None:
-        ready = self._forward_done_event()
-        for save in self.metadata.saves:
-            self.log.debug("kv_save_started", step_id=step_id, request_id=save.request_id, num_blocks=len(save.block_ids))
-            job = _Job(save, step_id)
-            job.future = self._thread.submit(self._save, job, ready)
-            self._saves.setdefault(save.request_id, []).append(job)
+        if not self.metadata.saves:
+            return
+        job = _Job(list(self.metadata.saves), step_id)
+        job.future = self._thread.submit(self._save, job, self._forward_done_event())
+        self._save_jobs.append(job)
 
     def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
-        jobs = [job for request_id in preempted_req_ids for job in self._saves.get(request_id, ())]
+        preempted = set(preempted_req_ids)
+        jobs = [job for job in self._save_jobs if not preempted.isdisjoint(job.request_ids)]
         if not jobs:
             return
         _, running = wait([job.future for job in jobs], timeout=self.ctx.save_timeout_s)
         late = [job for job in jobs if job.future in running]
         for job in late:  # their blocks are about to be reused: they must not read them any more
             self.log.warning(
-                "kv_save_timed_out", step_id=job.step_id, request_id=job.transfer.request_id,
+                "kv_save_timed_out", step_id=job.step_id, request_ids=sorted(job.request_ids),
                 timeout_s=self.ctx.save_timeout_s,
             )  # fmt: skip
-            self._drop_saves(job.transfer.request_id, [job])
+        self._drop_saves(late)
 
     def abort_transfers(self, request_ids: list[str]) -> None:
+        aborted = set(request_ids)
         for request_id in request_ids:
             load = self._loads.pop(request_id, None)
             if load is not None:
                 load.cancel()
-            self._drop_saves(request_id, list(self._saves.get(request_id, ())))
-            self._held.discard(request_id)  # the wrapper reports it
+        self._drop_saves([job for job in self._save_jobs if not aborted.isdisjoint(job.request_ids)])
+        self._held -= aborted  # the wrapper reports them
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
         finished_recving = set()
@@ -146,13 +178,12 @@ class OffloadWorker(KVConnectorWorker):
                 del self._loads[request_id]
                 finished_recving.add(request_id)
                 self._collect_load(job)
-        for request_id, jobs in list(self._saves.items()):
-            for job in [j for j in jobs if j.future.done()]:
-                jobs.remove(job)
+        if self._save_jobs:
+            for job in [j for j in self._save_jobs if j.future.done()]:
+                self._save_jobs.remove(job)
                 self._collect_save(job)
-            if not jobs:
-                del self._saves[request_id]
-        finished_sending = {r for r in self._held if r not in self._saves}
+        saving = set().union(*(job.request_ids for job in self._save_jobs))
+        finished_sending = self._held - saving
         self._held -= finished_sending
         self._finished_sending_failed = finished_sending & self._failed_saves
         for request_id in self._finished_sending_failed:
@@ -174,7 +205,7 @@ class OffloadWorker(KVConnectorWorker):
         return stats
 
     def close(self) -> None:
-        for job in [*self._loads.values(), *(j for jobs in self._saves.values() for j in jobs)]:
+        for job in [*self._loads.values(), *self._save_jobs]:
             job.cancel()  # a stuck store must not hold the stage's exit
         self._thread.shutdown(wait=False, cancel_futures=True)
         self.store.close()
@@ -190,21 +221,15 @@ class OffloadWorker(KVConnectorWorker):
         event.record()
         return event
 
-    def _drop_saves(self, request_id: str, jobs: list[_Job]) -> None:
-        """Cancel these save jobs; the request's stored blocks cannot be trusted."""
-        if not jobs:
-            return
+    def _drop_saves(self, jobs: list[_Job]) -> None:
+        """Cancel these save jobs: what their requests stored cannot be trusted."""
         for job in jobs:
             job.cancel()
-        remaining = [job for job in self._saves.get(request_id, ()) if job not in jobs]
-        if remaining:
-            self._saves[request_id] = remaining
-        else:
-            self._saves.pop(request_id, None)
-        self._failed_saves.add(request_id)
+            self._save_jobs.remove(job)
+            self._failed_saves |= job.request_ids
 
     def _collect_load(self, job: _Job) -> None:
-        load = job.transfer
+        load = job.transfers[0]
         try:
             num_bytes, duration_s, failed = job.future.result()
         except TransferCancelled:
@@ -220,21 +245,20 @@ class OffloadWorker(KVConnectorWorker):
         )  # fmt: skip
 
     def _collect_save(self, job: _Job) -> None:
-        save = job.transfer
         try:
-            num_bytes, duration_s = job.future.result()
-        except Exception as e:  # noqa: BLE001 - its slots are dropped when the request's send is reported
+            num_blocks, num_bytes, duration_s = job.future.result()
+        except Exception as e:  # noqa: BLE001 - their slots are dropped when each request's send is reported
             if not isinstance(e, TransferCancelled):
-                self.log.error("kv_save_failed", step_id=job.step_id, request_id=save.request_id, error=repr(e))
-            self._failed_saves.add(save.request_id)
+                self.log.error("kv_save_failed", step_id=job.step_id, request_ids=sorted(job.request_ids), error=repr(e))
+            self._failed_saves |= job.request_ids
             return
         self._stats = self._stats + KVTransferStats(
-            num_blocks_saved=len(save.block_ids), num_bytes_saved=num_bytes, save_time_s=duration_s
+            num_blocks_saved=num_blocks, num_bytes_saved=num_bytes, save_time_s=duration_s
         )  # fmt: skip
 
     # ---- on the transfer thread -----------------------------------------------------------
     def _load(self, job: _Job) -> tuple[int, float, dict[int, str]]:
-        load, t0 = job.transfer, time.perf_counter()
+        load, t0 = job.transfers[0], time.perf_counter()
         failed = self.mover.load(load.block_ids, load.block_hashes, load.slots, job.cache_access)
         for i, reason in failed.items():
             self.log.warning(
@@ -249,12 +273,14 @@ class OffloadWorker(KVConnectorWorker):
         )  # fmt: skip
         return num_loaded * self.layout.payload_nbytes, duration_s, failed
 
-    def _save(self, job: _Job, ready: torch.cuda.Event | None) -> tuple[int, float]:
-        save, t0 = job.transfer, time.perf_counter()
-        num_bytes = self.mover.save(save.block_ids, save.block_hashes, save.slots, job.cache_access, ready)
+    def _save(self, job: _Job, ready: torch.cuda.Event | None) -> tuple[int, int, float]:
+        t0 = time.perf_counter()
+        block_ids, block_hashes, slots = job.joined()
+        num_bytes = self.mover.save(block_ids, block_hashes, slots, job.cache_access, ready)
         duration_s = time.perf_counter() - t0
-        self.log.debug(
-            "kv_save_finished", step_id=job.step_id, request_id=save.request_id, num_blocks=len(save.block_ids),
-            duration_ms=round(duration_s * 1e3, 3),
-        )  # fmt: skip
-        return num_bytes, duration_s
+        if self._is_debug:  # a debug event is built even when filtered out: this runs beside the forward
+            self.log.debug(
+                "kv_saved", step_id=job.step_id, request_ids=sorted(job.request_ids), num_blocks=len(block_ids),
+                duration_ms=round(duration_s * 1e3, 3),
+            )  # fmt: skip
+        return len(block_ids), num_bytes, duration_s
