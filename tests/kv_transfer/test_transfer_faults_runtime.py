@@ -48,9 +48,9 @@ async def assert_settles(client: AsyncClient) -> dict:
     return again
 
 
-def sections(tiny_hf_dir, kv: dict) -> dict:
+def sections(tiny_hf_dir, kv: dict, pp_size: int = 2) -> dict:
     return tiny_sections(
-        tiny_hf_dir, 2, (2, 2),
+        tiny_hf_dir, pp_size, (2, 2) if pp_size == 2 else (),
         cache={"num_kv_blocks_override": 20},
         scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 64},  # prompts take several steps
         kv_transfer={"module": MODULE, "store_size_mb": 1, **kv},
@@ -63,13 +63,15 @@ def expected_later(tiny_hf_dir):
 
 
 @pytest.mark.parametrize(
-    "where,stage", [("forward", 1), ("forward", 0), ("sample", 1), ("load_start", 1)], ids=lambda v: str(v)
+    "pp_size,where,stage",
+    [(2, "forward", 1), (2, "forward", 0), (2, "sample", 1), (2, "load_start", 1), (1, "forward", 0), (1, "sample", 0)],
+    ids=lambda v: str(v),
 )
 async def test_a_step_failing_on_a_stage_fails_its_request_and_the_engine_settles(
-    tmp_path, tiny_hf_dir, expected_later, where, stage
+    tmp_path, tiny_hf_dir, expected_later, pp_size, where, stage
 ):
     kv = {"connector": "faulty", "options": {"fail_at": where, "fail_pp_rank": stage, "fail_on_save": 3 if where == "sample" else 1}}
-    with launched(tmp_path, sections(tiny_hf_dir, kv)) as engine:
+    with launched(tmp_path, sections(tiny_hf_dir, kv, pp_size)) as engine:
         client = AsyncClient(engine.address)
         try:
             with pytest.raises(RequestFailedError, match="injected fault"):
@@ -103,18 +105,21 @@ async def test_transfers_that_never_finish_time_out_in_every_stage(tmp_path, tin
 
 
 @pytest.mark.parametrize(
-    "options,timeouts",
+    "pp_size,options,timeouts",
     [
-        ({"save_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"save_timeout_s": 0.3}),
-        ({"load_fault": "raise", "fault_pp_rank": 0}, {}),
-        ({"load_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"load_timeout_s": 0.3}),
+        (2, {"save_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"save_timeout_s": 0.3}),
+        (2, {"load_fault": "raise", "fault_pp_rank": 0}, {}),
+        (2, {"load_fault": "hang", "hang_s": 2.0, "fault_pp_rank": 1}, {"load_timeout_s": 0.3}),
+        (1, {"load_fault": "hang", "hang_s": 2.0}, {"load_timeout_s": 0.3}),
     ],
-    ids=["save-hangs", "load-raises", "load-hangs"],
+    ids=["save-hangs", "load-raises", "load-hangs", "pp1-load-hangs"],
 )
-async def test_failing_and_hanging_transfers_in_stage_processes(tmp_path, tiny_hf_dir, expected_later, options, timeouts):
+async def test_failing_and_hanging_transfers_in_stage_processes(
+    tmp_path, tiny_hf_dir, expected_later, pp_size, options, timeouts
+):
     filler = [(11 * i + 1) % 290 + 5 for i in range(200)]  # flushes FIRST out of the 20-block cache
     kv = {"connector": "faulty", "options": options, **timeouts}
-    with launched(tmp_path, sections(tiny_hf_dir, kv)) as engine:
+    with launched(tmp_path, sections(tiny_hf_dir, kv, pp_size)) as engine:
         client = AsyncClient(engine.address)
         try:
             for prompt in (FIRST, filler, filler[::-1]):
