@@ -19,13 +19,7 @@
 #   TESTS_TIMEOUT        s for all the tests (default 200; they took 93 s)
 #   SERVE_TIMEOUT        s per concurrency (default 150)
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 PY=python3
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
   $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/machine.txt" 2>&1

@@ -7,13 +7,7 @@
 #   ../shared/device/wheels.sh crc32c         # here, once: fills .whl (carry it)
 #   run: bash scripts/gpu_kv_offload.sh       # there, with carry [".whl"] and timeout_s 420
 set -uo pipefail
-OUT=${OUT:-$PWD/gpu-out}
-mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
   python3 -c 'import torch; print("torch", torch.__version__)'; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
