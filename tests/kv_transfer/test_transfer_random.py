@@ -2,10 +2,10 @@
 
 Many requests share a few long prefixes (so the store serves loads), in a
 cache small enough to preempt; a seeded share of the saves and loads on
-every stage raise or hang past their deadline, and random requests are
-aborted mid-way. Afterwards nothing may be held, pending, pinned or owed,
-and every request that was not aborted must equal, token for token, the
-same prompt served by an engine without a connector.
+every stage raise (and loads also hang past their deadline), and random
+requests are aborted mid-way. Afterwards nothing may be held, pending,
+pinned or owed, and every request that was not aborted must equal, token
+for token, the same prompt served by an engine without a connector.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def test_random_faults_leave_nothing_held_and_outputs_exact(tiny_hf_dir, pp_size
     requests = workload(seed)
     plain = Engine(tiny_config(tiny_hf_dir))
     reference = [c.token_ids for c in plain.generate([p for p, _ in requests], [sp for _, sp in requests])]
-    options = {
-        "save_fault": "raise|hang", "load_fault": "raise|hang", "fault_rate": 0.1, "hang_s": 0.3, "seed": seed,
-    }  # fmt: skip
+    # Saves only raise: a hung save holds up the transfer thread, so whether the saves behind it beat
+    # their deadline (and the store has anything to load later) would depend on the machine's speed.
+    options = {"save_fault": "raise", "load_fault": "raise|hang", "fault_rate": 0.1, "hang_s": 0.3, "seed": seed}
     e = Engine(
         tiny_config(
             tiny_hf_dir,
