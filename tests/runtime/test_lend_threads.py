@@ -18,6 +18,7 @@ from asyncpp.core.request import Request
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.runtime.engine_server import EngineServer
+from asyncpp.runtime.step_window import StepWindow
 from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.runtime.stage_group import STAGE_GOMP_SPINCOUNT, openmp_env
 from asyncpp.sampling.params import SamplingParams
@@ -33,31 +34,31 @@ class FakeStages:
         self.plans.append(plan)
 
 
-def _server(pp_size: int = 2, num_threads: int = 1, num_spare_cpus: float = 64.0, **parallel) -> EngineServer:
+def _server(pp_size: int = 2, num_threads: int = 1, num_spare_cpus: float = 64.0, **parallel) -> StepWindow:
     config = EngineConfig(parallel=ParallelConfig(pp_size=pp_size, num_threads=num_threads, **parallel))
     scheduler = Scheduler(
         BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64, async_scheduling=True
     )
     core = SimpleNamespace(config=config, scheduler=scheduler, kv_connector=None)
-    server = EngineServer(core, FakeStages(pp_size), router=None, async_scheduling=True)
+    server = EngineServer(core, FakeStages(pp_size), router=None, async_scheduling=True).window
     if server.spare_cpus is not None:  # the machine running the tests is no idle pipeline
         server.spare_cpus = SimpleNamespace(refresh=lambda now: num_spare_cpus)
     return server
 
 
-def _add(server: EngineServer, request_id: str, max_tokens: int = 8) -> None:
+def _add(server: StepWindow, request_id: str, max_tokens: int = 8) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     server.core.scheduler.add_request(Request(request_id, [5, 6, 7], params))
 
 
-def _dispatch(server: EngineServer) -> list[StepPlan]:
+def _dispatch(server: StepWindow) -> list[StepPlan]:
     """The plans one fill of the window sends."""
     num_before = len(server.stages.plans)
     asyncio.run(server._dispatch())
     return server.stages.plans[num_before:]
 
 
-def _complete(server: EngineServer, plan: StepPlan) -> None:
+def _complete(server: StepWindow, plan: StepPlan) -> None:
     sampled = {s.request_id: [9] for s in plan.scheduled if s.do_sample}
     server.core.scheduler.update_from_output(plan, sampled)
     del server.in_flight[plan.step_id]
@@ -119,7 +120,7 @@ def test_no_lending_to_cuda_stages():
     config = EngineConfig(model=ModelConfig(device="cuda"), parallel=ParallelConfig(pp_size=2))
     scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=16, max_num_batched_tokens=64, max_model_len=64)
     core = SimpleNamespace(config=config, scheduler=scheduler, kv_connector=None)
-    assert EngineServer(core, FakeStages(2), router=None).max_lent_threads == 0
+    assert EngineServer(core, FakeStages(2), router=None).window.max_lent_threads == 0
 
 
 @pytest.mark.parametrize(
