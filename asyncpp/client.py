@@ -15,23 +15,30 @@ import asyncio
 import collections
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from asyncpp.errors import EngineDeadError, InvalidRequestError
+from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
     AbortRequest,
+    AddRemoteEngine,
+    AddRemoteEngineReply,
     ErrorReply,
     GenerateRequest,
     HealthReply,
     HealthRequest,
+    KVHandshakeReply,
+    KVHandshakeRequest,
     RequestDelta,
     RequestDeltas,
     StatsReply,
     StatsRequest,
 )
 from asyncpp.wire.queues import DealerQueue
+
+_REPLIES = (HealthReply, StatsReply, KVHandshakeReply, AddRemoteEngineReply)  # matched to calls by nonce
 
 
 class RequestFailedError(RuntimeError):
@@ -62,7 +69,7 @@ class AsyncClient:
                         stream.put(delta)
             elif isinstance(msg, ErrorReply) and msg.request_id in self._streams:
                 self._streams[msg.request_id].put(msg)
-            elif isinstance(msg, (HealthReply, StatsReply)) and msg.nonce in self._replies:
+            elif isinstance(msg, _REPLIES) and msg.nonce in self._replies:
                 fut = self._replies.pop(msg.nonce)
                 if not fut.done():
                     fut.set_result(msg)
@@ -74,8 +81,12 @@ class AsyncClient:
         prompt: str | list[int] | list[dict[str, str]],
         sampling_params: SamplingParams | dict[str, Any] | None = None,
         request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestDelta]:
-        """Stream deltas (text, token ids, finish reason, logprobs) until the request finishes."""
+        """Stream deltas (text, token ids, finish reason, logprobs) until the request finishes.
+
+        `kv_transfer_params`: for the engine's KV connector (a disaggregated decode engine: where
+        the prompt's KV is); the last delta carries the connector's own, if any."""
         self._ensure_reader()
         request_id = request_id or uuid.uuid4().hex
         if isinstance(sampling_params, SamplingParams):
@@ -88,7 +99,7 @@ class AsyncClient:
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._queue.put(GenerateRequest(request_id, prompt, params))
+            await self._queue.put(GenerateRequest(request_id, prompt, params, kv_transfer_params))
             while True:
                 msg = await stream.get()
                 if isinstance(msg, ErrorReply):
@@ -117,12 +128,23 @@ class AsyncClient:
         reply = await self._call(StatsRequest, timeout_s)
         return reply.stats
 
-    async def _call(self, cls: type, timeout_s: float) -> Any:
+    async def kv_handshake(self, timeout_s: float = 5.0) -> EngineHandshake | None:
+        """The engine's KV transfer endpoints (None: its connector publishes none)."""
+        reply = await self._call(KVHandshakeRequest, timeout_s)
+        return reply.handshake
+
+    async def add_remote_engine(self, handshake: EngineHandshake, timeout_s: float = 5.0) -> None:
+        """Tell the engine's KV connector about a remote engine; raises `RuntimeError` if refused."""
+        reply = await self._call(lambda nonce: AddRemoteEngine(nonce, handshake), timeout_s)
+        if reply.error is not None:
+            raise RuntimeError(f"engine refused remote engine {handshake.engine_id!r}: {reply.error}")
+
+    async def _call(self, make: Callable[[int], Any], timeout_s: float) -> Any:
         self._ensure_reader()
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._replies[nonce] = fut
-        await self._queue.put(cls(nonce))
+        await self._queue.put(make(nonce))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:

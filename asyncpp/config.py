@@ -199,6 +199,7 @@ def is_loopback(host: str) -> bool:
 
 
 _KV_STORES = ("shm", "dir")
+_KV_ROLES = ("", "producer", "consumer")
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,12 @@ class KVTransferConfig:
     # request's sends (saves) are dropped, and its blocks are freed (`kv_transfer.base`).
     load_timeout_s: float = 30.0
     save_timeout_s: float = 30.0
+    # Prefill/decode disaggregation (`pd`): "producer" (computes prompts, others pull their KV) or
+    # "consumer" (pulls prompts' KV, decodes); this engine's id among the engines it moves KV with
+    # ("" = one made up per run); how long a producer keeps a finished prompt's blocks for pulls.
+    kv_role: str = ""
+    engine_id: str = ""
+    pull_timeout_s: float = 30.0
     options: dict[str, Any] = field(default_factory=dict)  # the connector's own settings
     children: tuple["KVTransferConfig", ...] = ()  # multi: the connectors it composes, in load order
 
@@ -226,7 +233,9 @@ class KVTransferConfig:
             raise ConfigError(f"kv_transfer.store must be one of {_KV_STORES}, got {self.store!r}")
         if self.store_size_mb < 1:
             raise ConfigError(f"kv_transfer.store_size_mb must be >= 1, got {self.store_size_mb}")
-        for name in ("load_timeout_s", "save_timeout_s"):
+        if self.kv_role not in _KV_ROLES:
+            raise ConfigError(f"kv_transfer.kv_role must be one of {_KV_ROLES}, got {self.kv_role!r}")
+        for name in ("load_timeout_s", "save_timeout_s", "pull_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ConfigError(f"kv_transfer.{name} must be a positive number of seconds, got {value!r}")

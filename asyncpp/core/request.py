@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncpp.sampling.params import SamplingParams
 
@@ -65,6 +66,11 @@ class Request:
     last_step_id: int = -1  # the plan it was last scheduled in
     num_placeholders: int = 0  # tokens scheduled before they were sampled (async scheduling)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # From the client, for the KV connector (prefill/decode disaggregation: where the prompt's KV is).
+    kv_transfer_params: dict[str, Any] | None = None
+    # From the KV connector once finished (`request_finished`): what a remote engine needs to pull
+    # its KV; goes out with the request's last delta.
+    finished_kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -78,16 +78,16 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
 from asyncpp.core.plan import NewRequestData, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
+from asyncpp.core.scheduler_kv import KVTransferScheduling
 from asyncpp.core.step_builder import StepBuilder
 from asyncpp.core.stop import check_stop
 from asyncpp.kv.block_manager import BlockManager
-from asyncpp.core.scheduler_kv import KVTransferScheduling
 from asyncpp.kv_transfer.base import KVConnectorScheduler
 from asyncpp.kv_transfer.metadata import KVConnectorOutput
 
@@ -471,10 +471,13 @@ class Scheduler(KVTransferScheduling):
         request_id = request.request_id
         is_known = request_id in self._runner_known_ids
         if self.connector is not None:
-            delay_free, _ = self.connector.request_finished(request, self._block_manager.block_ids(request_id))
+            delay_free, params = self.connector.request_finished(request, self._block_manager.block_ids(request_id))
             # Only a stage that knows the request can report its send: one never scheduled is freed now.
             if delay_free and is_known:
                 self._hold(request)
+                request.finished_kv_transfer_params = params  # a remote engine may pull the held blocks
+            elif not delay_free:
+                request.finished_kv_transfer_params = params
         if is_known:
             self._runner_known_ids.discard(request_id)
             self._finished_req_ids.append(request_id)

@@ -158,7 +158,7 @@ class KVTransferScheduling:
         request_id = request.request_id
         self._held[request_id] = request
         self._unsent_held.append(request_id)
-        self._send_deadlines[request_id] = self._clock() + self.connector.ctx.save_timeout_s
+        self._send_deadlines[request_id] = self._clock() + self.connector.send_timeout_s
 
     def _build_connector_meta(self, step: StepBuilder) -> KVConnectorMetadata:
         self._expire_transfers()
@@ -193,7 +193,7 @@ class KVTransferScheduling:
                 sending, recving = self._aggregator.reporters(request_id)
                 self.log.warning(
                     "kv_transfer_timed_out", request_id=request_id, what=kind,
-                    timeout_s=self.connector.ctx.load_timeout_s if kind == "load" else self.connector.ctx.save_timeout_s,
+                    timeout_s=self.connector.ctx.load_timeout_s if kind == "load" else self.connector.send_timeout_s,
                     reported_pp_ranks=sorted(recving if kind == "load" else sending),
                 )  # fmt: skip
 

@@ -15,9 +15,10 @@ import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -27,8 +28,8 @@ from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats, resolve_compute_plan
 from asyncpp.engine.executor import InProcessExecutor
-from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.input_processor import InputProcessor, Prompt
+from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.output_processor import OutputProcessor
 from asyncpp.engine.outputs import Completion, RequestOutput
 from asyncpp.errors import InvalidRequestError
@@ -36,17 +37,31 @@ from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
 from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
-from asyncpp.kv_transfer.registry import connector_context, create_scheduler_connector, create_worker_connector
+from asyncpp.kv_transfer.registry import (
+    connector_context,
+    create_scheduler_connector,
+    create_worker_connector,
+)
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
-from asyncpp.model.split import compute_layer_ranges, head_cost_in_layers, held_ranges, shift_windows
+from asyncpp.model.split import (
+    compute_layer_ranges,
+    head_cost_in_layers,
+    held_ranges,
+    shift_windows,
+)
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.shared_kv import SharedKVSpec, allocate_shared_kv, shared_kv_specs
-from asyncpp.worker.stage import build_model_slice, build_runner, decode_graph_sizes, stage_num_blocks, torch_dtype
-
+from asyncpp.worker.stage import (
+    build_model_slice,
+    build_runner,
+    decode_graph_sizes,
+    stage_num_blocks,
+    torch_dtype,
+)
 
 _RUN_IDS = itertools.count()
 
@@ -155,8 +170,13 @@ class EngineCore:
         self.log = get_logger(role="engine")
 
     def add_request(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> str:
+        """Validate and queue a request; `kv_transfer_params`: for the KV connector (checked by it)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -165,11 +185,19 @@ class EngineCore:
         if request_id in self.output_processor or self.scheduler.get_request(request_id) is not None:
             raise InvalidRequestError("request_id", f"duplicate request id {request_id!r}")
         prompt_token_ids = self.input_processor.process(prompt, params)
+        if kv_transfer_params is not None:
+            if self.kv_connector is None:
+                raise InvalidRequestError("kv_transfer_params", "this engine has no KV connector")
+            try:
+                self.kv_connector.validate_kv_transfer_params(kv_transfer_params, prompt_token_ids)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError("kv_transfer_params", str(e)) from e
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_id=self.tokenizer.eos_token_id,
+            kv_transfer_params=kv_transfer_params,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
@@ -218,7 +246,8 @@ class EngineCore:
             if out is None:
                 continue
             if out.finished and update.finish_reason is None:  # a stop string ended it
-                self.scheduler.finish_requests([update.request_id], RequestStatus.FINISHED_STOPPED)
+                for request in self.scheduler.finish_requests([update.request_id], RequestStatus.FINISHED_STOPPED):
+                    out = dataclasses.replace(out, kv_transfer_params=request.finished_kv_transfer_params)
             if out.finished:
                 self.log.info("request_finished", request_id=out.request_id, finish_reason=out.finish_reason)
             results.append(out)

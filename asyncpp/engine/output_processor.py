@@ -71,6 +71,7 @@ class OutputProcessor:
             logprobs=logprobs,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            kv_transfer_params=req.finished_kv_transfer_params if finish_reason is not None else None,
         )
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> RequestOutput | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from asyncpp.worker.outputs import Logprobs
 
@@ -20,6 +21,7 @@ class RequestOutput:
     logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # with the last delta: for a remote engine
     error: str | None = None
 
 
@@ -36,6 +38,7 @@ class Completion:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None  # why it failed (finish_reason "error")
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, once finished
 
     def add(self, delta: RequestOutput) -> None:
         self.text += delta.text
@@ -46,3 +49,4 @@ class Completion:
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.finished:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+            self.kv_transfer_params = delta.kv_transfer_params

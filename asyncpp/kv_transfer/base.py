@@ -16,13 +16,20 @@ Scheduler side (`KVConnectorScheduler`, one in the engine process):
   with `delay_free_blocks` the engine keeps the blocks until every stage has
   reported the request in `finished_sending`.
 * `get_finished_count()`: how many reports finish a request (None: one per stage).
+* `set_xfer_handshake_metadata_pp_aware(metadata)` once at start-up, before
+  any request: every stage's `KVHandshakeMetadata` keyed by `(pp_rank,
+  tp_rank)`. The default refuses `pp_rank > 0` (a connector that does not
+  know about pipeline stages fails at start-up, never silently) and hands
+  `{tp_rank: metadata}` to `set_xfer_handshake_metadata`.
 
 Worker side (`KVConnectorWorker`, one in every stage, over that stage's layers):
 `register_kv_caches`, `bind_connector_metadata` / `clear_connector_metadata`,
 `start_load_kv` (before the forward), `save_kv` (after this stage's forward),
 `wait_for_save`, `get_finished(finished_req_ids) -> (finished_sending,
 finished_recving)`, `get_failed_sending`, `get_block_ids_with_load_errors`,
-`handle_preemptions`, `abort_transfers`, `get_stats`. The stage calls them
+`handle_preemptions`, `abort_transfers`, `get_stats`, and
+`get_handshake_metadata` once after `register_kv_caches` (None: nothing to
+publish). The stage calls them
 only through `KVConnectorWrapper`, which fixes their order (seed 003:
 `post_forward` after sampling and the proposer).
 
@@ -56,7 +63,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
+from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata
+from asyncpp.kv_transfer.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferStats,
+)
 
 if TYPE_CHECKING:
     from asyncpp.core.request import Request
@@ -81,8 +93,11 @@ class ConnectorContext:
     connector_index: int = 0  # position among a multi-connector's children
     load_timeout_s: float = 30.0  # past it a load is aborted (its blocks recomputed)
     save_timeout_s: float = 30.0  # past it a held request's sends are aborted (their writes dropped)
+    kv_role: str = ""  # prefill/decode disaggregation: "producer" | "consumer"
+    engine_id: str = ""  # this engine's, among those it moves KV with
+    pull_timeout_s: float = 30.0  # a producer's finished prompt's blocks wait this long to be pulled
     extra: dict[str, Any] = field(default_factory=dict)  # the connector's own settings (`kv_transfer.options`)
-    children: tuple["ConnectorContext", ...] = ()  # multi-connector: its children's contexts
+    children: tuple[ConnectorContext, ...] = ()  # multi-connector: its children's contexts
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,7 @@ class PlanInfo:
     step_id: int
     # (request, first position, number of tokens) per scheduled request; positions past
     # `request.num_tokens` are placeholders (async scheduling).
-    scheduled: list[tuple["Request", int, int]]
+    scheduled: list[tuple[Request, int, int]]
     block_ids: dict[str, list[int]]  # request id -> its whole block table
     block_hashes: dict[str, list[bytes]]  # request id -> hashes of its full blocks whose tokens are known
 
@@ -104,7 +119,7 @@ class KVConnectorScheduler(ABC):
         self.ctx = ctx
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """(tokens beyond `num_computed_tokens` the connector can supply, whether they load asynchronously).
 
         None for the tokens: ask again later (the connector is already loading that prefix
@@ -113,7 +128,7 @@ class KVConnectorScheduler(ABC):
         """
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """Blocks for the request are allocated; `num_external_tokens` of them are the connector's to fill."""
 
     @abstractmethod
@@ -127,13 +142,48 @@ class KVConnectorScheduler(ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The merged output of a step: every request in it has been reported by every stage."""
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def validate_kv_transfer_params(self, params: dict[str, Any], prompt_token_ids: list[int]) -> None:
+        """A client's `kv_transfer_params` for a new request: raise `ValueError` (or `TypeError`)
+        saying what is wrong; the request is then refused and nothing else changes."""
+        raise ValueError(f"KV connector {self.ctx.name!r} takes no kv_transfer_params")
+
+    def engine_handshake(self) -> EngineHandshake | None:
+        """What a remote engine needs to move KV with this one (None: nothing to move)."""
+        return None
+
+    def add_remote_engine(self, handshake: EngineHandshake) -> None:
+        """A remote engine this one moves KV with; raise `ValueError` if it cannot be used."""
+        raise ValueError(f"KV connector {self.ctx.name!r} moves no KV between engines")
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """(keep the blocks until every stage reports `finished_sending`, params for a remote engine)."""
         return False, None
+
+    @property
+    def send_timeout_s(self) -> float:
+        """How long a finished request's blocks may stay held for its sends (`request_finished`)."""
+        return self.ctx.save_timeout_s
 
     def get_finished_count(self) -> int | None:
         """Reports that finish a request; None: one from every pipeline stage."""
         return None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> None:
+        """Every stage's handshake, keyed by `(pp_rank, tp_rank)`, once at start-up.
+
+        A connector that serves pipeline stages overrides this; the default takes
+        one stage only and refuses the rest, so that a connector unaware of pipeline
+        parallelism fails at start-up instead of moving one stage's KV for all."""
+        beyond = sorted(key for key in metadata if key[0] != 0)
+        if beyond:
+            raise ValueError(
+                f"KV connector {type(self).__name__} is not pipeline-parallel aware: it got handshake "
+                f"metadata of (pp_rank, tp_rank) {beyond}; run it with pp_size 1 or use a PP-aware connector"
+            )
+        self.set_xfer_handshake_metadata({tp_rank: md for (_, tp_rank), md in metadata.items()})
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVHandshakeMetadata]) -> None:
+        """The handshake of the one pipeline stage, keyed by tp_rank (connectors without PP)."""
 
     def stats(self) -> dict[str, Any]:
         return {}
@@ -207,6 +257,10 @@ class KVConnectorWorker(ABC):
     def get_stats(self) -> KVTransferStats:
         """Counters since the last call."""
         return KVTransferStats()
+
+    def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
+        """This stage's transfer endpoint (after `register_kv_caches`), or None: nothing to publish."""
+        return None
 
     def close(self) -> None:
         pass

@@ -18,8 +18,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler, KVConnectorWorker, PlanInfo
-from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput, KVTransferStats
+from asyncpp.kv_transfer.base import (
+    ConnectorContext,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    PlanInfo,
+)
+from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata
+from asyncpp.kv_transfer.metadata import (
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVTransferStats,
+)
 from asyncpp.kv_transfer.registry import connector_classes, register_connector
 
 if TYPE_CHECKING:
@@ -32,16 +42,16 @@ class MultiScheduler(KVConnectorScheduler):
         self.children = [connector_classes(c.name)[0](c) for c in ctx.children]
         self._unsent_holders: dict[str, list[int]] = {}  # finished request -> children keeping its blocks
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._first_offer(request, num_computed_tokens)[1:]
 
-    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         # The child that offered them (asking again has no side effects, and gives the same answer).
         loader = self._first_offer(request, request.num_computed_tokens)[0] if num_external_tokens else None
         for index, child in enumerate(self.children):
             child.update_state_after_alloc(request, block_ids, num_external_tokens if index == loader else 0)
 
-    def _first_offer(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, int | None, bool]:
+    def _first_offer(self, request: Request, num_computed_tokens: int) -> tuple[int | None, int | None, bool]:
         """(index of the first child offering tokens, its offer); (None, None, False): ask again later."""
         for index, child in enumerate(self.children):
             num_tokens, load_async = child.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -67,7 +77,7 @@ class MultiScheduler(KVConnectorScheduler):
         for child in self.children:  # each ignores the requests it does not know
             child.update_connector_output(output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         holders, params = [], {}
         for index, child in enumerate(self.children):
             child_delay, child_params = child.request_finished(request, block_ids)
@@ -78,6 +88,37 @@ class MultiScheduler(KVConnectorScheduler):
         if holders:
             self._unsent_holders[request.request_id] = holders
         return bool(holders), params or None
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> None:
+        """Every child gets every stage's handshake (one that is not PP-aware refuses pp_rank > 0)."""
+        for child in self.children:
+            child.set_xfer_handshake_metadata_pp_aware(metadata)
+
+    def validate_kv_transfer_params(self, params: dict[str, Any], prompt_token_ids: list[int]) -> None:
+        """Taken if some child takes them (the first child's complaint otherwise)."""
+        errors = []
+        for child in self.children:
+            try:
+                return child.validate_kv_transfer_params(params, prompt_token_ids)
+            except (TypeError, ValueError) as e:
+                errors.append(e)
+        raise errors[0]
+
+    def engine_handshake(self) -> EngineHandshake | None:
+        handshakes = [h for child in self.children if (h := child.engine_handshake()) is not None]
+        return handshakes[0] if handshakes else None
+
+    def add_remote_engine(self, handshake: EngineHandshake) -> None:
+        """Every child that moves KV between engines gets it; refused if none does."""
+        errors, num_added = [], 0
+        for child in self.children:
+            try:
+                child.add_remote_engine(handshake)
+                num_added += 1
+            except ValueError as e:
+                errors.append(e)
+        if not num_added:
+            raise errors[0]
 
     def stats(self) -> dict[str, Any]:
         return {f"child{i}_{k}": v for i, child in enumerate(self.children) for k, v in child.stats().items()}
@@ -168,6 +209,13 @@ class MultiWorker(KVConnectorWorker):
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         return frozenset().union(*(child.get_block_ids_with_load_errors() for child in self.children))
+
+    def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
+        """The one child's that publishes a transfer endpoint (a stage has one)."""
+        published = [md for child in self.children if (md := child.get_handshake_metadata()) is not None]
+        if len(published) > 1:
+            raise ValueError(f"{len(published)} children of the multi connector publish handshake metadata; one may")
+        return published[0] if published else None
 
     def get_stats(self) -> KVTransferStats:
         total = KVTransferStats()

@@ -88,6 +88,9 @@ def connector_context(
             connector_index=index,
             load_timeout_s=float(config.load_timeout_s),  # the top level's: one deadline per transfer
             save_timeout_s=float(config.save_timeout_s),
+            kv_role=config.kv_role,
+            engine_id=config.engine_id or f"engine-{run_id}",
+            pull_timeout_s=float(config.pull_timeout_s),
             extra=dict(cfg.options),
             children=tuple(
                 build(child, i, f"kv_transfer.children[{i}].connector") for i, child in enumerate(cfg.children)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.wire.codec import message
 from asyncpp.worker.outputs import Logprobs
 
@@ -25,6 +26,8 @@ class GenerateRequest:
     request_id: str
     prompt: str | list[int] | list[dict[str, str]]
     sampling_params: dict[str, Any] = field(default_factory=dict)
+    # For the engine's KV connector (prefill/decode disaggregation: where the prompt's KV is).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @message("abort")
@@ -57,6 +60,7 @@ class RequestDelta:
     logprobs: list[Logprobs] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # with the last delta: for a remote engine
 
 
 @message("deltas")
@@ -79,6 +83,7 @@ class RequestDeltas:
     logprobs: list[list[Logprobs] | None]
     num_prompt_tokens: list[int]
     num_cached_tokens: list[int]
+    kv_transfer_params: list[dict[str, Any] | None]
 
     def __post_init__(self) -> None:
         num_deltas = len(self.request_ids)
@@ -87,7 +92,7 @@ class RequestDeltas:
                 raise ValueError(f"{f.name} has {len(getattr(self, f.name))} entries for {num_deltas} request ids")
 
     @staticmethod
-    def of(deltas: Sequence[Any]) -> "RequestDeltas":
+    def of(deltas: Sequence[Any]) -> RequestDeltas:
         """From `RequestDelta`s, or anything with their fields (the engine's `RequestOutput`s)."""
         return RequestDeltas(*([getattr(d, name) for d in deltas] for name in _DELTA_FIELDS))
 
@@ -120,3 +125,34 @@ class HealthReply:
 class StatsReply:
     nonce: int
     stats: dict[str, Any]
+
+
+@message("kv_handshake")
+@dataclass(frozen=True)
+class KVHandshakeRequest:
+    """Ask an engine for its KV transfer endpoints (prefill/decode disaggregation)."""
+
+    nonce: int = 0
+
+
+@message("kv_handshake_reply")
+@dataclass(frozen=True)
+class KVHandshakeReply:
+    nonce: int
+    handshake: EngineHandshake | None  # None: the engine's connector publishes none
+
+
+@message("add_remote_engine")
+@dataclass(frozen=True)
+class AddRemoteEngine:
+    """Tell an engine's KV connector about a remote engine it moves KV with."""
+
+    nonce: int
+    handshake: EngineHandshake
+
+
+@message("add_remote_engine_reply")
+@dataclass(frozen=True)
+class AddRemoteEngineReply:
+    nonce: int
+    error: str | None = None  # None: added

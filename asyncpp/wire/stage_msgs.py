@@ -1,7 +1,8 @@
 """Engine <-> stage channel: start-up info, ready-acks, step plans, stage outputs.
 
 The plan channel carries `StepPlan` itself (registered here) and
-`Shutdown`; stages answer with `StageReady` once and a `StageOutput` for
+`Shutdown`; stages answer with `StageReady` once, `StageHandshake` once
+their runner is built (after `StageStart`), and a `StageOutput` for
 every step. A stage that fails a step sends `StageOutput` with `error` set.
 With async scheduling the last stage also sends the first one
 `SampledTokens` after every step, failed or not.
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.kv_transfer.handshake import KVHandshakeMetadata
 from asyncpp.transport.base import RingSpec
 from asyncpp.wire.codec import message
 from asyncpp.worker.outputs import ModelRunnerOutput
@@ -43,6 +45,16 @@ class StageStart:
     # The KV caches of layers held with a neighbour (`parallel.shift_layers`): every window's
     # segment; a stage maps those within its layers.
     shared_kv: list[SharedKVSpec] = field(default_factory=list)
+
+
+@message("stage_handshake")
+@dataclass(frozen=True)
+class StageHandshake:
+    """Stage -> engine once its runner (and KV connector) is built, before the first plan."""
+
+    pp_rank: int
+    tp_rank: int = 0
+    metadata: KVHandshakeMetadata | None = None  # None: its connector publishes nothing
 
 
 @message("stage_output")
