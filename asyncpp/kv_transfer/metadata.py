@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncpp.kv_transfer.handshake import EngineHandshake
+
 
 @dataclass(frozen=True)
 class BlockTransfer:
@@ -27,6 +29,10 @@ class BlockTransfer:
     block_hashes: list[bytes]  # prefix-chain hash of each block (`kv.block_hash`), the store's key
     slots: list[int] = field(default_factory=list)  # where each block lives in the connector's store, if it has slots
     connector_index: int = 0  # the child of a multi-connector that owns it (0 otherwise)
+    # Prefill/decode disaggregation: the same blocks' ids on a remote engine, and its request.
+    remote_engine_id: str = ""
+    remote_request_id: str = ""
+    remote_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -42,10 +48,15 @@ class KVConnectorMetadata:
     # Requests whose transfers passed their deadline (`load_timeout_s`, `save_timeout_s`): each
     # stage stops them (`abort_transfers`) and reports them as failed.
     aborted_req_ids: list[str] = field(default_factory=list)
+    # Remote engines every stage must be able to reach from this plan on (their handshakes).
+    remote_engines: list[EngineHandshake] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids)
+        return not (
+            self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids
+            or self.remote_engines
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ _CONNECTORS: dict[str, tuple[type[KVConnectorScheduler], type[KVConnectorWorker]
 _BUILTIN_MODULES = {
     "offload": "asyncpp.kv_transfer.offload.connector",
     "multi": "asyncpp.kv_transfer.multi",
+    "pd": "asyncpp.kv_transfer.pd.connector",
 }
 
 

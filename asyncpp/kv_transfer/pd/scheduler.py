@@ -1,0 +1,207 @@
+"""`PDScheduler`: the engine side of prefill/decode disaggregation, as producer or consumer.
+
+Producer (`kv_role = "producer"`, the prefill engine): a request asked for
+with `{"do_remote_decode": true}` runs its prompt and samples one token like
+any other; when it finishes, `request_finished` keeps its full prompt blocks
+(the engine holds them) and hands out signed `kv_transfer_params`
+(`pd.params`) with the request's last delta. Every stage reports the request
+in `finished_sending` once every consumer stage that reads its layers has
+said it is done (a notification with each pull), and the engine frees the
+blocks; a request nobody pulls is aborted after `kv_transfer.pull_timeout_s`
+(the engine's send deadline, `send_timeout_s`), with a warning.
+
+Consumer (`kv_role = "consumer"`, the decode engine): a request whose
+`kv_transfer_params` name a known producer and pass `RemotePrefill.check`
+(otherwise it is refused at `add_request`) is offered those blocks beyond its
+own prefix-cache hit: it waits in `WAITING_FOR_REMOTE_KVS` while every stage
+pulls the blocks of its layers from every producer stage that holds them
+(`TransferTopology`), then computes the rest of its prompt and decodes. A
+request whose blocks it does not pull (its own cache had them, it was aborted
+first) still tells the producer, so that no block waits for its timeout.
+
+Both: every stage's handshake (`set_xfer_handshake_metadata_pp_aware`, any
+pp_size) makes this engine's `EngineHandshake`; a remote engine's handshake
+(`add_remote_engine`) is checked against the model's layers and block
+geometry and reaches every stage with the next plan.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING, Any
+
+from asyncpp.config import ConfigError
+from asyncpp.core.request import RequestStatus
+from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler, PlanInfo
+from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata
+from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
+from asyncpp.kv_transfer.pd.params import DO_REMOTE_DECODE, RemotePrefill, tokens_digest
+from asyncpp.kv_transfer.pd.topology import TransferTopology
+from asyncpp.logging import get_logger
+
+if TYPE_CHECKING:
+    from asyncpp.core.request import Request
+
+ROLES = ("producer", "consumer")
+
+
+class PDScheduler(KVConnectorScheduler):
+    def __init__(self, ctx: ConnectorContext) -> None:
+        super().__init__(ctx)
+        if ctx.kv_role not in ROLES:
+            raise ConfigError(f"kv_transfer.kv_role must be 'producer' or 'consumer' for the pd connector, got {ctx.kv_role!r}")
+        self.role = ctx.kv_role
+        self.engine_id = ctx.engine_id
+        self._params_key = secrets.token_bytes(32)
+        self._stages: dict[tuple[int, int], KVHandshakeMetadata] = {}
+        num_layers = ctx.layer_ranges[-1][1]
+        self.topology = TransferTopology(ctx.engine_id, ctx.block_size, ctx.dtype, num_layers)
+        self._remote: dict[str, EngineHandshake] = {}
+        self._unsent_remote: list[EngineHandshake] = []
+        self._unsent_transfers: list[BlockTransfer] = []  # consumer: pulls, and releases without a pull
+        self._resolved: set[str] = set()  # consumer: unfinished requests with params, pulled or released
+        self.num_handed_out = 0  # producer: params handed out
+        self.num_pulls = 0  # consumer: requests pulled
+        self.num_pulled_tokens = 0
+        self.num_released_unpulled = 0  # consumer: told the producer without pulling
+        self.log = get_logger(role="engine", connector="pd", kv_role=self.role, engine_id=self.engine_id)
+
+    @property
+    def send_timeout_s(self) -> float:
+        return self.ctx.pull_timeout_s
+
+    # ---- handshakes ------------------------------------------------------------------------
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> None:
+        expected = {(rank, 0) for rank in range(self.ctx.pp_size)}
+        if set(metadata) != expected:
+            raise ValueError(f"pd connector: handshakes of (pp_rank, tp_rank) {sorted(metadata)}, expected {sorted(expected)}")
+        for (rank, _), md in metadata.items():
+            if (md.start_layer, md.end_layer) != tuple(self.ctx.layer_ranges[rank]):
+                raise ValueError(
+                    f"pd connector: stage {rank} published layers [{md.start_layer}, {md.end_layer}), "
+                    f"it owns {list(self.ctx.layer_ranges[rank])}"
+                )
+        self._stages = dict(metadata)
+
+    def engine_handshake(self) -> EngineHandshake | None:
+        if not self._stages:
+            return None
+        return EngineHandshake.of(self.engine_id, self._stages, self._params_key)
+
+    def add_remote_engine(self, handshake: EngineHandshake) -> None:
+        if handshake.engine_id == self.engine_id:
+            raise ValueError(f"remote engine id {handshake.engine_id!r} is this engine's own")
+        if not handshake.params_key:
+            raise ValueError(f"remote engine {handshake.engine_id!r} has no params key")
+        self.topology.register_remote_engine(handshake)  # checks layers, block size, dtype
+        self._remote[handshake.engine_id] = handshake
+        self._unsent_remote.append(handshake)
+
+    # ---- requests --------------------------------------------------------------------------
+    def validate_kv_transfer_params(self, params: dict[str, Any], prompt_token_ids: list[int]) -> None:
+        if self.role == "producer":
+            if params != {DO_REMOTE_DECODE: True}:
+                raise ValueError(f'a producer takes kv_transfer_params {{"{DO_REMOTE_DECODE}": true}} only, got {params!r}')
+            return
+        prefill = RemotePrefill.parse(params)
+        remote = self._remote.get(prefill.remote_engine_id)
+        if remote is None:
+            raise ValueError(f"kv_transfer_params name engine {prefill.remote_engine_id!r}, which this engine does not know")
+        num_remote_blocks = min(stage.num_blocks for stage in remote.stages)
+        prefill.check(params["sig"], remote.params_key, self.ctx.block_size, prompt_token_ids, num_remote_blocks)
+
+    def _remote_prefill(self, request: "Request") -> RemotePrefill | None:
+        if self.role != "consumer" or request.kv_transfer_params is None:
+            return None
+        return RemotePrefill.parse(request.kv_transfer_params)  # checked at add_request
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        prefill = self._remote_prefill(request)
+        if prefill is None or request.num_preemptions:  # preempted: its pulled blocks are gone, compute
+            return 0, False
+        num_tokens = prefill.num_tokens - num_computed_tokens
+        return (num_tokens, True) if num_tokens > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
+        prefill = self._remote_prefill(request)
+        if prefill is None or num_external_tokens <= 0:
+            return
+        block_size = self.ctx.block_size
+        first, num_blocks = request.num_computed_tokens // block_size, num_external_tokens // block_size
+        self._unsent_transfers.append(
+            BlockTransfer(
+                request.request_id,
+                block_ids[first : first + num_blocks],
+                [],
+                remote_engine_id=prefill.remote_engine_id,
+                remote_request_id=prefill.remote_request_id,
+                remote_block_ids=prefill.remote_block_ids[first : first + num_blocks],
+            )
+        )
+        self._resolved.add(request.request_id)
+        self.num_pulls += 1
+        self.num_pulled_tokens += num_external_tokens
+
+    def _release_unpulled(self, request: "Request") -> None:
+        """The producer's blocks for this request will not be pulled: tell its stages now."""
+        prefill = self._remote_prefill(request)
+        if prefill is None or request.request_id in self._resolved:
+            return
+        self._resolved.add(request.request_id)
+        self._unsent_transfers.append(
+            BlockTransfer(
+                request.request_id, [], [],
+                remote_engine_id=prefill.remote_engine_id, remote_request_id=prefill.remote_request_id,
+            )  # fmt: skip
+        )
+        self.num_released_unpulled += 1
+
+    def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
+        if self.role == "consumer":
+            for request, _, _ in plan.scheduled:
+                # Scheduled without a pull (its own prefix cache had the blocks): release them.
+                self._release_unpulled(request)
+        transfers, self._unsent_transfers = self._unsent_transfers, []
+        remote, self._unsent_remote = self._unsent_remote, []
+        return KVConnectorMetadata(loads=transfers, remote_engines=remote)
+
+    def has_unsent_metadata(self) -> bool:
+        return bool(self._unsent_transfers or self._unsent_remote)
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        pass
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.role == "consumer":
+            self._release_unpulled(request)  # if it finished before it was ever scheduled
+            self._resolved.discard(request.request_id)
+            return False, None
+        if request.kv_transfer_params != {DO_REMOTE_DECODE: True}:
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed: nothing to hand out
+        # Whole blocks, leaving the prompt's last token for the consumer to compute (it samples).
+        num_blocks = min((request.num_prompt_tokens - 1) // self.ctx.block_size, len(block_ids))
+        if num_blocks <= 0:
+            return False, None
+        num_tokens = num_blocks * self.ctx.block_size
+        prefill = RemotePrefill(
+            self.engine_id,
+            request.request_id,
+            list(block_ids[:num_blocks]),
+            num_tokens,
+            tokens_digest(request.prompt_token_ids[:num_tokens]),
+        )
+        self.num_handed_out += 1
+        return True, prefill.signed(self._params_key)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pd_role": self.role,
+            "pd_engine_id": self.engine_id,
+            "pd_remote_engines": sorted(self._remote),
+            "pd_num_handed_out": self.num_handed_out,
+            "pd_num_pulls": self.num_pulls,
+            "pd_num_pulled_tokens": self.num_pulled_tokens,
+            "pd_num_released_unpulled": self.num_released_unpulled,
+        }

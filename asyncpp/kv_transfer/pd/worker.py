@@ -1,0 +1,248 @@
+"""`PDWorker`: a stage's side of prefill/decode disaggregation, over one NIXL agent.
+
+At start-up the stage registers the K and V caches of its layers with its
+agent once and publishes them (`get_handshake_metadata`). Remote engines'
+handshakes arrive with plans (`KVConnectorMetadata.remote_engines`); the
+stage adds their agents.
+
+Consumer: for each pull bound to the plan, the stage reads, from every
+producer stage holding some of its layers (`TransferTopology.sources_for`),
+those layers' blocks in ONE NIXL read per (request, producer stage): a
+descriptor list of block runs, K and V of every layer, consecutive blocks
+merged. Each read carries a notification "request|consumer pp_rank|readers"
+that the producer stage gets once the read is over. A pull is reported in
+`finished_recving` once all its reads ended; a failed read makes all of the
+request's blocks invalid (recomputed). A release (nothing to pull) sends the
+notifications alone.
+
+Producer: a held request (`held_req_ids`) is reported in `finished_sending`
+once as many consumer stages as read this stage's layers have notified it
+(the count travels in the notification, so producers need not know the
+consumer's layout). Notifications may arrive before the hold does; ones for
+requests never held are dropped after `pull_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorWorker
+from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, KVRegion
+from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
+from asyncpp.kv_transfer.pd.nixl_transport import NixlTransport, TransferState, block_runs
+from asyncpp.kv_transfer.pd.topology import TransferTopology
+from asyncpp.logging import get_logger
+
+
+@dataclass
+class _Pull:
+    transfer: BlockTransfer
+    handles: list = field(default_factory=list)
+    notifs: list[tuple[str, bytes]] = field(default_factory=list)  # (agent, message) per producer stage read
+    nbytes: int = 0
+    started_at: float = field(default_factory=time.perf_counter)
+
+
+def notification(remote_request_id: str, pp_rank: int, num_readers: int) -> bytes:
+    return f"{remote_request_id}|{pp_rank}|{num_readers}".encode()
+
+
+def parse_notification(msg: bytes) -> tuple[str, int, int] | None:
+    try:
+        request_id, pp_rank, num_readers = msg.decode().rsplit("|", 2)
+        return request_id, int(pp_rank), int(num_readers)
+    except ValueError:
+        return None
+
+
+class PDWorker(KVConnectorWorker):
+    def __init__(self, ctx: ConnectorContext, pp_rank: int) -> None:
+        super().__init__(ctx, pp_rank)
+        self.role = ctx.kv_role
+        num_layers = ctx.layer_ranges[-1][1]
+        self.topology = TransferTopology(ctx.engine_id, ctx.block_size, ctx.dtype, num_layers)
+        self.transport: NixlTransport | None = None
+        self._bases: dict[tuple[int, str], int] = {}  # (layer, "k" | "v") -> address of block 0
+        self._regions: list[KVRegion] = []
+        self._block_nbytes = 0
+        self._num_blocks = 0
+        self._agents: dict[tuple[str, int], str] = {}  # (engine id, pp_rank) -> agent name
+        self._pulls: dict[str, _Pull] = {}
+        self._finished_recving: set[str] = set()
+        self._invalid_block_ids: set[int] = set()
+        self._held: set[str] = set()  # producer: held by the engine, not reported yet
+        self._readers: dict[str, dict[int, int]] = {}  # producer: request -> consumer pp_rank -> readers
+        self._first_notified_at: dict[str, float] = {}
+        self._stats = KVTransferStats()
+        self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
+
+    # ---- start-up --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = sorted(kv_caches)
+        if layers != list(range(self.start_layer, self.end_layer)):
+            raise ValueError(f"stage {self.pp_rank} owns layers {self.start_layer}..{self.end_layer}, got {layers}")
+        tensors = [t for layer in layers for t in kv_caches[layer]]
+        if any(not t.is_contiguous() for t in tensors):
+            raise ValueError("the pd connector needs contiguous KV caches")
+        self.transport = NixlTransport(f"{self.ctx.engine_id}-pp{self.pp_rank}")
+        self.transport.register(tensors)
+        first = tensors[0]
+        self._block_nbytes = first[: self.ctx.block_size].nbytes
+        self._num_blocks = first.shape[0] // self.ctx.block_size
+        for layer in layers:
+            for kind, tensor in zip(("k", "v"), kv_caches[layer]):
+                self._bases[(layer, kind)] = tensor.data_ptr()
+                self._regions.append(
+                    KVRegion(
+                        layer, kind, tensor.data_ptr(), tensor.nbytes,
+                        tensor.device.index or 0, tensor.device.type == "cuda",
+                    )  # fmt: skip
+                )
+
+    def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
+        if self.transport is None:
+            return None
+        return KVHandshakeMetadata(
+            pp_rank=self.pp_rank,
+            tp_rank=0,
+            start_layer=self.start_layer,
+            end_layer=self.end_layer,
+            block_size=self.ctx.block_size,
+            block_nbytes=self._block_nbytes,
+            dtype=self.ctx.dtype,
+            num_blocks=self._num_blocks,
+            agent_name=self.transport.name,
+            agent_metadata=self.transport.agent_metadata(),
+            regions=list(self._regions),
+        )
+
+    def _add_remote(self, handshake: EngineHandshake) -> None:
+        self.topology.register_remote_engine(handshake)
+        for stage in handshake.stages:
+            self._agents[(handshake.engine_id, stage.pp_rank)] = self.transport.add_remote(stage.agent_metadata)
+        self.log.info("remote_engine_added", engine_id=handshake.engine_id, pp_size=handshake.pp_size)
+
+    # ---- per step --------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(metadata)
+        for handshake in metadata.remote_engines:
+            self._add_remote(handshake)
+        if self.role == "producer":
+            self._held.update(metadata.held_req_ids)
+
+    def start_load_kv(self, step_id: int) -> None:
+        for transfer in self.metadata.loads:
+            self._start_pull(transfer)
+
+    def _start_pull(self, transfer: BlockTransfer) -> None:
+        pull = _Pull(transfer)
+        self._pulls[transfer.request_id] = pull
+        try:
+            engine_id = transfer.remote_engine_id
+            for remote_rank, (start, end) in self.topology.sources_for(engine_id, self.start_layer, self.end_layer):
+                info = self.topology.get_engine_info(engine_id, remote_rank)
+                agent = self._agents[(engine_id, remote_rank)]
+                readers = TransferTopology.readers_of(list(self.ctx.layer_ranges), info.start_layer, info.end_layer)
+                notif = notification(transfer.remote_request_id, self.pp_rank, readers)
+                runs = []
+                for layer in range(start, end):
+                    for kind in ("k", "v"):
+                        runs += block_runs(
+                            transfer.block_ids, transfer.remote_block_ids,
+                            self._bases[(layer, kind)], info.region(layer, kind).addr, self._block_nbytes,
+                        )  # fmt: skip
+                if runs:
+                    pull.handles.append(self.transport.read(agent, runs, notif))
+                    pull.nbytes += sum(n for _, _, n in runs)
+                else:
+                    self.transport.send_notif(agent, notif)  # a release: nothing to read
+                pull.notifs.append((agent, notif))
+        except Exception as e:  # noqa: BLE001 - a pull that cannot start fails alone (recomputed)
+            self.log.warning("kv_pull_failed", request_id=transfer.request_id, error=repr(e))
+            self._end_pull(transfer.request_id, failed=True)
+
+    def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        for request_id in list(self._pulls):
+            states = [self.transport.poll(handle) for handle in self._pulls[request_id].handles]
+            if TransferState.FAILED in states:
+                self.log.warning("kv_pull_failed", request_id=request_id, error="a NIXL read failed")
+                self._end_pull(request_id, failed=True)
+            elif all(state is TransferState.DONE for state in states):
+                self._end_pull(request_id, failed=False)
+        recving, self._finished_recving = frozenset(self._finished_recving), set()
+        return self._collect_notifications(), recving
+
+    def _end_pull(self, request_id: str, failed: bool) -> None:
+        pull = self._pulls.pop(request_id)
+        for handle in pull.handles:
+            self.transport.release(handle)
+        if failed:
+            self._invalid_block_ids.update(pull.transfer.block_ids)
+            for agent, notif in pull.notifs:  # a read that ended early may not have notified: free the producer
+                self._notify(agent, notif)
+        elif pull.transfer.block_ids:
+            self._stats = self._stats + KVTransferStats(
+                num_blocks_loaded=len(pull.transfer.block_ids),
+                num_bytes_loaded=pull.nbytes,
+                load_time_s=time.perf_counter() - pull.started_at,
+            )
+        self._finished_recving.add(request_id)
+
+    def _notify(self, agent: str, notif: bytes) -> None:
+        try:
+            self.transport.send_notif(agent, notif)
+        except Exception as e:  # noqa: BLE001 - the producer is gone; its timeout frees its blocks
+            self.log.warning("kv_notify_failed", agent=agent, error=repr(e))
+
+    def _collect_notifications(self) -> frozenset[str]:
+        """Producer: the held requests every reader of this stage has notified."""
+        if self.role != "producer" or self.transport is None:
+            return frozenset()
+        now = time.monotonic()
+        for msg in self.transport.get_notifs():
+            parsed = parse_notification(msg)
+            if parsed is None:
+                self.log.warning("kv_bad_notification", message=msg[:100])
+                continue
+            request_id, pp_rank, num_readers = parsed
+            self._readers.setdefault(request_id, {})[pp_rank] = num_readers
+            self._first_notified_at.setdefault(request_id, now)
+        done = []
+        for request_id, readers in self._readers.items():
+            if request_id in self._held and len(readers) >= max(readers.values()):
+                done.append(request_id)
+        for request_id, at in self._first_notified_at.items():
+            if request_id not in self._held and now - at > self.ctx.pull_timeout_s:
+                done.append(request_id)  # never held here (finished elsewhere, or forged): drop it
+        for request_id in done:
+            self._readers.pop(request_id, None)
+            self._first_notified_at.pop(request_id, None)
+        sending = frozenset(r for r in done if r in self._held)
+        self._held -= sending
+        return sending
+
+    def abort_transfers(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._pulls:
+                self._end_pull(request_id, failed=True)
+                self._finished_recving.discard(request_id)  # the wrapper reports it
+            self._held.discard(request_id)
+            self._readers.pop(request_id, None)
+            self._first_notified_at.pop(request_id, None)
+
+    def get_block_ids_with_load_errors(self) -> frozenset[int]:
+        invalid, self._invalid_block_ids = frozenset(self._invalid_block_ids), set()
+        return invalid
+
+    def get_stats(self) -> KVTransferStats:
+        stats, self._stats = self._stats, KVTransferStats()
+        return stats
+
+    def close(self) -> None:
+        for request_id in list(self._pulls):
+            self._end_pull(request_id, failed=True)
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,128 @@
+"""Prefill/decode disaggregation between two in-process engines of any PP sizes: greedy output
+equals one engine's, every block comes back on both sides, bad params fail alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncpp.engine.engine import Engine
+from asyncpp.errors import InvalidRequestError
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import tiny_config, tiny_prompts
+from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd
+
+pytest.importorskip("nixl_cu12")
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# (prefill pp, split), (decode pp, split): splits that do not line up (the tiny model has 4 layers).
+PAIRS = [
+    ((1, ()), (1, ())),
+    ((2, (1, 3)), (3, (2, 1, 1))),
+    ((3, (1, 1, 2)), (1, ())),
+    ((2, (3, 1)), (2, (1, 3))),
+]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts(300, 8) + [[(5 * i) % 290 + 7 for i in range(100)]]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_hf_dir, prompts):
+    engine = Engine(tiny_config(tiny_hf_dir))
+    try:
+        return [c.token_ids for c in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("prefill_side,decode_side", PAIRS, ids=lambda p: f"pp{p[0]}")
+def test_disaggregated_greedy_output_equals_one_engine(tiny_hf_dir, prompts, expected, prefill_side, decode_side):
+    producer, consumer = pd_pair(tiny_hf_dir, *prefill_side, *decode_side)
+    try:
+        completions = serve_pd(producer, consumer, prompts, GREEDY)
+        assert [c.token_ids for c in completions] == expected
+        assert all(c.error is None for c in completions)
+        stats = consumer.kv_connector.stats()
+        # Every prompt of at least two blocks' tokens was pulled, not computed.
+        assert stats["pd_num_pulls"] == sum(1 for p in prompts if (len(p) - 1) // 16 > 0)
+        assert consumer.stats()["kv_blocks_loaded"] > 0
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_forged_and_malformed_params_fail_alone(tiny_hf_dir, prompts, expected):
+    producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 1, ())
+    try:
+        prompt = prompts[-1]
+        [done] = prefill(producer, [prompt])
+        good = done.kv_transfer_params
+        bad = {
+            "unknown engine": {**good, "remote_engine_id": "nobody"},
+            "block ids it does not own": {**good, "remote_block_ids": [b + 1 for b in good["remote_block_ids"]]},
+            "wrong types": {**good, "num_tokens": "96"},
+            "wrong token count": {**good, "num_tokens": good["num_tokens"] - 16},
+            "not a map": [1, 2],
+            "missing keys": {"remote_engine_id": "prefill"},
+        }
+        for what, params in bad.items():
+            with pytest.raises(InvalidRequestError, match="kv_transfer_params") as info:
+                consumer.add_request(prompt, GREEDY, kv_transfer_params=params)
+            assert info.value.field == "kv_transfer_params", what
+        with pytest.raises(InvalidRequestError, match="another prompt"):
+            consumer.add_request([9] + prompt[1:], GREEDY, kv_transfer_params=good)
+        with pytest.raises(InvalidRequestError, match="producer takes"):
+            producer.add_request(prompt, GREEDY, kv_transfer_params={"do_remote_decode": "yes"})
+        # The good one still goes through, exactly.
+        rid = consumer.add_request(prompt, GREEDY, kv_transfer_params=good)
+        assert drain(producer, consumer, [rid])[rid].token_ids == expected[-1]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_nobody_pulls_the_blocks_are_freed_after_the_pull_timeout(tiny_hf_dir, prompts):
+    producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 1, (), kv_transfer={"pull_timeout_s": 0.3})
+    try:
+        prefill(producer, prompts[-2:])
+        assert producer.scheduler.num_held_for_transfer == 2
+        drain(producer, consumer, [])
+        assert producer.scheduler.num_timed_out_transfers == 2
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_abort_during_the_pull_frees_blocks_on_both_sides(tiny_hf_dir, prompts, expected):
+    producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 2, (3, 1))
+    try:
+        [done] = prefill(producer, [prompts[-1]])
+        rid = consumer.add_request(prompts[-1], GREEDY, kv_transfer_params=done.kv_transfer_params)
+        consumer.step()  # admitted: the pull starts with this plan
+        consumer.abort(rid)
+        drain(producer, consumer, [])
+        assert_idle(producer, consumer)
+        # Both keep serving.
+        assert [c.token_ids for c in serve_pd(producer, consumer, prompts[-1:], GREEDY)] == expected[-1:]
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_request_aborted_before_it_was_scheduled_releases_the_producer(tiny_hf_dir, prompts):
+    producer, consumer = pd_pair(tiny_hf_dir, 1, (), 1, ())
+    try:
+        [done] = prefill(producer, [prompts[-1]])
+        rid = consumer.add_request(prompts[-1], GREEDY, kv_transfer_params=done.kv_transfer_params)
+        consumer.abort(rid)
+        drain(producer, consumer, [])
+        assert producer.scheduler.num_timed_out_transfers == 0  # released, not timed out
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
