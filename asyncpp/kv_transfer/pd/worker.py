@@ -155,7 +155,8 @@ class PDWorker(KVConnectorWorker):
                             self._bases[(layer, kind)], info.region(layer, kind).addr, self._block_nbytes,
                         )  # fmt: skip
                 if runs:
-                    pull.handles.append(self.transport.read(agent, runs, notif))
+                    device = info.regions[0]
+                    pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
                     pull.nbytes += sum(n for _, _, n in runs)
                 else:
                     self.transport.send_notif(agent, notif)  # a release: nothing to read
@@ -178,7 +179,11 @@ class PDWorker(KVConnectorWorker):
     def _end_pull(self, request_id: str, failed: bool) -> None:
         pull = self._pulls.pop(request_id)
         for handle in pull.handles:
-            self.transport.release(handle)
+            try:
+                self.transport.release(handle)
+            except TimeoutError as e:  # a read NIXL cannot stop: its blocks may still be written
+                self.log.error("kv_pull_not_stopped", request_id=request_id, error=str(e))
+                failed = True
         if failed:
             self._invalid_block_ids.update(pull.transfer.block_ids)
             for agent, notif in pull.notifs:  # a read that ended early may not have notified: free the producer
