@@ -2,7 +2,8 @@
 
 The composition root: the only place that sees the whole config. It spawns
 one process per pipeline stage, waits for every ready-ack (the engine uses the
-smallest KV capacity any stage reports), prints where clients connect and
+smallest KV capacity any stage reports) and every stage's KV handshake (handed
+to the KV connector before any request), prints where clients connect and
 serves until Ctrl-C / SIGTERM (drain within the grace period) or until a
 stage dies (exit 1). Children are always reaped and shared memory unlinked.
 With `--prompt`, it streams one chat answer through `AsyncClient` and exits.
@@ -25,7 +26,13 @@ from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices, is_cuda
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
-from asyncpp.engine.engine import EngineCapacity, EngineCore, kv_connector_context, resolve_capacity
+from asyncpp.engine.engine import (
+    EngineCapacity,
+    EngineCore,
+    kv_connector_context,
+    resolve_capacity,
+    set_stage_handshakes,
+)
 from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
@@ -158,6 +165,11 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         names = [addresses.shared_kv_name(i) for i in range(len(capacity.shift_windows))]
         shared_kv = [SharedKVSegment.create(spec) for spec in capacity.shared_kv_specs(arch, plan.dtype, names)]
         await stages.start_stages(num_blocks, [segment.spec for segment in shared_kv])
+        # Every stage's runner is built (its caches registered) before the first plan; a connector
+        # that refuses the stages' handshakes stops start-up here (exit 2, the stages shut down).
+        handshakes = await stages.wait_handshakes(STAGE_READY_TIMEOUT_S)
+        if kv_connector is not None:
+            set_stage_handshakes(kv_connector, handshakes)
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port
         router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return uvloop.run(run(config, ns))
-    except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store)
+    except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store, its handshakes)
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncpp.config import EngineConfig
+from asyncpp.config import ConfigError, EngineConfig
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
@@ -36,6 +36,7 @@ from asyncpp.errors import InvalidRequestError
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
+from asyncpp.kv_transfer.handshake import KVHandshakeMetadata, aggregate_handshakes
 from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
 from asyncpp.kv_transfer.registry import (
     connector_context,
@@ -128,6 +129,17 @@ def kv_connector_context(
         model_id=model_id,
         run_id=run_id,
     )
+
+
+def set_stage_handshakes(
+    connector: KVConnectorScheduler, handshakes: dict[tuple[int, int], KVHandshakeMetadata]
+) -> None:
+    """Hand every stage's handshake to the scheduler connector, before any request. Its refusal
+    (a connector unaware of pipeline stages, run with several) fails start-up naming the key."""
+    try:
+        connector.set_xfer_handshake_metadata_pp_aware(handshakes)
+    except ValueError as e:
+        raise ConfigError(f"kv_transfer.connector: {e}") from e
 
 
 class EngineCore:
@@ -333,6 +345,15 @@ class Engine(EngineCore):
             runner.build_graphs()
             runners.append(runner)
         self.executor = InProcessExecutor(runners)
+        try:
+            handshakes = aggregate_handshakes(
+                (rank, 0, runner.kv_connector.get_handshake_metadata()) for rank, runner in enumerate(runners)
+            )
+            if self.kv_connector is not None:
+                set_stage_handshakes(self.kv_connector, handshakes)
+        except Exception:
+            self.close()  # the connectors' threads and stores
+            raise
         self.log.info(
             "engine_ready", num_blocks=capacity.num_blocks, layer_ranges=capacity.layer_ranges,
             weight_bytes_per_stage=self.weight_bytes_per_stage,

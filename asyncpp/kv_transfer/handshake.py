@@ -3,8 +3,8 @@
 After start-up each stage's worker connector returns a `KVHandshakeMetadata`
 (`KVConnectorWorker.get_handshake_metadata`): its transfer agent's metadata,
 the KV memory it registered, its layer range, block geometry and dtype. The
-engine aggregates them by `(pp_rank, tp_rank)` (seed 004, vLLM PR #43720)
-and hands the dict to its scheduler connector
+engine aggregates them by `(pp_rank, tp_rank)` (`aggregate_handshakes`; seed
+004, vLLM PR #43720) and hands the dict to its scheduler connector
 (`set_xfer_handshake_metadata_pp_aware`). An engine's aggregated handshake,
 `EngineHandshake`, is what another engine needs to read from or write to it
 (prefill/decode disaggregation): engines exchange it through the client
@@ -13,6 +13,7 @@ protocol (`wire.client_msgs.KVHandshakeRequest` / `AddRemoteEngine`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -66,3 +67,27 @@ class EngineHandshake:
         if len(stages) != pp_size:
             raise ValueError(f"engine {engine_id!r}: handshakes of pp_ranks {sorted(metadata)} leave gaps")
         return EngineHandshake(engine_id, pp_size, stages)
+
+
+def aggregate_handshakes(
+    items: Iterable[tuple[int, int, KVHandshakeMetadata | None]],
+) -> dict[tuple[int, int], KVHandshakeMetadata]:
+    """Every stage's `(pp_rank, tp_rank, metadata)` as the engine's dict; stages publishing None
+    are left out. Both runtimes build the dict here, so a rank reported twice, or metadata naming
+    another rank than the stage that sent it, fails start-up the same way (`ValueError`)."""
+    aggregated: dict[tuple[int, int], KVHandshakeMetadata] = {}
+    seen: set[tuple[int, int]] = set()
+    for pp_rank, tp_rank, metadata in items:
+        key = (pp_rank, tp_rank)
+        if key in seen:
+            raise ValueError(f"two handshakes from (pp_rank, tp_rank) {key}")
+        seen.add(key)
+        if metadata is None:
+            continue
+        if (metadata.pp_rank, metadata.tp_rank) != key:
+            raise ValueError(
+                f"the stage at (pp_rank, tp_rank) {key} published handshake metadata of "
+                f"{(metadata.pp_rank, metadata.tp_rank)}"
+            )
+        aggregated[key] = metadata
+    return aggregated

@@ -1,4 +1,4 @@
-"""`StageGroup`: spawn the stage processes, collect ready-acks, reap them, clean up.
+"""`StageGroup`: spawn the stage processes, collect ready-acks and handshakes, reap them, clean up.
 
 Owns the child processes and the names of their shared-memory rings, so that
 whatever happens (Ctrl-C, a stage killed with SIGKILL) every child is reaped
@@ -24,12 +24,13 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 from asyncpp.kernels.isa import torch_isa_env
+from asyncpp.kv_transfer.handshake import KVHandshakeMetadata, aggregate_handshakes
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.cpu_affinity import affinity_env
 from asyncpp.runtime.stage_process import StageArgs, stage_main
 from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
-from asyncpp.wire.stage_msgs import Shutdown, StageReady, StageStart
+from asyncpp.wire.stage_msgs import Shutdown, StageHandshake, StageReady, StageStart
 from asyncpp.worker.shared_kv import SharedKVSpec
 
 # Spins libgomp's idle workers make before they sleep (default 300000: milliseconds). A stage
@@ -92,22 +93,35 @@ class StageGroup:
 
     async def wait_ready(self, timeout_s: float) -> list[StageReady]:
         """Collect one `StageReady` per stage; raise if a stage dies or time runs out."""
-        readies: dict[int, StageReady] = {}
+        readies = {msg.pp_rank: msg for msg in await self._collect(StageReady, timeout_s, "ready")}
+        self.readies = [readies[r] for r in range(self.pp_size)]
+        return self.readies
+
+    async def wait_handshakes(self, timeout_s: float) -> dict[tuple[int, int], KVHandshakeMetadata]:
+        """Collect one `StageHandshake` per stage (sent once its runner is built, after
+        `start_stages`): the published metadata by `(pp_rank, tp_rank)`; raise like `wait_ready`."""
+        msgs = await self._collect(StageHandshake, timeout_s, "built")
+        return aggregate_handshakes((msg.pp_rank, msg.tp_rank, msg.metadata) for msg in msgs)
+
+    async def _collect(self, cls: type, timeout_s: float, what: str) -> list:
+        """Start-up messages of type `cls` until every stage sent one. Other messages are dropped:
+        no plan has been sent yet, so there is no `StageOutput` to lose."""
+        msgs, ranks = [], set()
         deadline = time.monotonic() + timeout_s
-        while len(readies) < self.pp_size:
+        while len(ranks) < self.pp_size:
             if self.dead_stages():
                 raise StageDiedError(f"stage(s) {self.dead_stages()} died during start-up")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"stages not ready within {timeout_s} s")
+                raise TimeoutError(f"stages {sorted(set(range(self.pp_size)) - ranks)} not {what} within {timeout_s} s")
             try:
                 msg = await asyncio.wait_for(self.outputs.get(), timeout=min(remaining, 0.2))
             except asyncio.TimeoutError:
                 continue
-            if isinstance(msg, StageReady):
-                readies[msg.pp_rank] = msg
-        self.readies = [readies[r] for r in range(self.pp_size)]
-        return self.readies
+            if isinstance(msg, cls):
+                msgs.append(msg)
+                ranks.add(msg.pp_rank)
+        return msgs
 
     async def start_stages(self, num_kv_blocks: int, shared_kv: list[SharedKVSpec] | None = None) -> None:
         for rank, q in enumerate(self.plan_queues):

@@ -1,5 +1,11 @@
 """A pipeline stage process: load its slice, ack ready, then run plans until shutdown.
 
+Start-up: `StageReady` once the slice is loaded; after `StageStart`, the
+runner (and its KV connector, caches registered) is built and the stage
+sends `StageHandshake` with its connector's transfer endpoint (None without
+one) before it takes any plan, so on the outputs channel every handshake
+precedes that stage's first `StageOutput`.
+
 Per step: take the plan (engine -> every stage, in step order), take the
 activation notice from the previous stage (same order), run
 `execute_model`; a non-last stage writes its activations into the next
@@ -41,7 +47,14 @@ from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import PullQueue, PushQueue
-from asyncpp.wire.stage_msgs import SampledTokens, Shutdown, StageOutput, StageReady, StageStart
+from asyncpp.wire.stage_msgs import (
+    SampledTokens,
+    Shutdown,
+    StageHandshake,
+    StageOutput,
+    StageReady,
+    StageStart,
+)
 from asyncpp.worker.model_runner import ModelRunner
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.shared_kv import SharedKVSegment
@@ -165,6 +178,7 @@ class Stage:
     def serve(self) -> None:
         start = self._start_up()
         self._build_runner(start)
+        self.outputs.put(StageHandshake(self.args.pp_rank, 0, self.runner.kv_connector.get_handshake_metadata()))
         while True:
             msg = self.plans.get()
             if isinstance(msg, Shutdown):

@@ -14,6 +14,8 @@
 * `abort_step(plan, is_forward_done)`: close a step that failed anywhere on
   this stage: bind it if that never happened (its loads must still start, or
   be reported failed), save only what a finished forward wrote, collect.
+* `get_handshake_metadata()`: this stage's transfer endpoint, once the KV
+  caches are registered (the runner registers them when it is built).
 Every report goes through a `TransferLedger`: the engine gets exactly one
 report per owed transfer on every path, failures included.
 Without a connector every call is a no-op returning None.
@@ -25,6 +27,7 @@ import torch
 
 from asyncpp.core.plan import StepPlan
 from asyncpp.kv_transfer.base import KVConnectorWorker, collect_output
+from asyncpp.kv_transfer.handshake import KVHandshakeMetadata
 from asyncpp.kv_transfer.ledger import TransferLedger
 from asyncpp.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from asyncpp.logging import get_logger
@@ -37,6 +40,7 @@ class KVConnectorWrapper:
         self.connector = connector
         self.ledger = TransferLedger()
         self.bound_step_id = -1  # the latest step whose metadata was bound (pre_forward)
+        self.is_registered = False  # register_kv_caches ran: the handshake may be asked for
         self.log = get_logger(role="kv_connector", pp_rank=connector.pp_rank if connector is not None else None)
 
     @property
@@ -46,6 +50,15 @@ class KVConnectorWrapper:
     def register_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], start_layer: int) -> None:
         if self.connector is not None:
             self.connector.register_kv_caches({start_layer + i: kv for i, kv in enumerate(kv_caches)})
+        self.is_registered = True
+
+    def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
+        """This stage's transfer endpoint (None: no connector, or it publishes none)."""
+        if self.connector is None:
+            return None
+        if not self.is_registered:  # the endpoint describes the registered caches
+            raise RuntimeError("get_handshake_metadata before register_kv_caches")
+        return self.connector.get_handshake_metadata()
 
     def pre_forward(self, plan: StepPlan) -> None:
         connector = self.connector
