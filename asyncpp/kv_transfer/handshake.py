@@ -59,14 +59,19 @@ class EngineHandshake:
     engine_id: str
     pp_size: int
     stages: list[KVHandshakeMetadata] = field(default_factory=list)  # by pp_rank (tp_rank 0)
+    # Signs the `kv_transfer_params` this engine hands out, so that an engine pulling from it can
+    # tell them from forged ones (`kv_transfer.pd.params`). Only engines see handshakes.
+    params_key: bytes = b""
 
     @staticmethod
-    def of(engine_id: str, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> EngineHandshake:
+    def of(
+        engine_id: str, metadata: dict[tuple[int, int], KVHandshakeMetadata], params_key: bytes = b""
+    ) -> EngineHandshake:
         pp_size = 1 + max(pp_rank for pp_rank, _ in metadata) if metadata else 0
         stages = [metadata[(pp_rank, 0)] for pp_rank in range(pp_size) if (pp_rank, 0) in metadata]
         if len(stages) != pp_size:
             raise ValueError(f"engine {engine_id!r}: handshakes of pp_ranks {sorted(metadata)} leave gaps")
-        return EngineHandshake(engine_id, pp_size, stages)
+        return EngineHandshake(engine_id, pp_size, stages, params_key)
 
 
 def aggregate_handshakes(

@@ -1,0 +1,149 @@
+"""`python -m asyncpp.bench.pd_serve`: disaggregated serving against one colocated engine.
+
+A prefill-heavy workload (random prompts of `--input-len` tokens, `--output-len`
+output tokens, Poisson arrivals at `--request-rate`) is served, in interleaved
+repetitions, by (a) one engine launched from `--colocated` (default: the
+default config, pp=2) and (b) the prefill/decode deployment launched from
+`--disagg` (default: configs/pd-1-1.toml, one stage each), on the same
+cores. Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
+sees them; for (b) also the router's handover time (the prefill's last delta
+to the decode engine's first one). Then the raw transfer of the bytes one
+request hands over (every layer's K and V of its full prompt blocks), moved
+by one NIXL read and by a memcpy in this process (`bench.pd_transfer`), so
+the handover can be read against both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from asyncpp.bench.datasets import random_requests
+from asyncpp.bench.engine_proc import launched_engine
+from asyncpp.bench.load import run_load
+from asyncpp.bench.metrics import serving_metrics
+from asyncpp.bench.runs import RunSpec, _toml_value, run_sections, to_toml
+from asyncpp.config import load_config
+from asyncpp.weights import read_arch
+
+_FIGURES = ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms", "itl_p99_ms", "output_throughput")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m asyncpp.bench.pd_serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--colocated", default="configs/default.toml")
+    ap.add_argument("--disagg", default="configs/pd-1-1.toml")
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--request-rate", type=float, default=1.0, help="requests per second (Poisson)")
+    ap.add_argument("--repeat", type=int, default=2, help="interleaved repetitions (A B A B ...)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--result-json", help="write every figure here")
+    return ap.parse_args(argv)
+
+
+def serve(config_path: Path, args, requests, warmup) -> dict[str, Any]:
+    with launched_engine(config_path) as engine:
+        load = uvloop.run(
+            run_load(
+                engine.address, requests, warmup, max_concurrency=None, request_rate=args.request_rate,
+                seed=args.seed, ignore_eos=True,
+            )
+        )  # fmt: skip
+    metrics = serving_metrics(load.records, load.duration_s)
+    return {"metrics": metrics, "stats": load.stats_after}
+
+
+def handed_over_shape(config_path: str, input_len: int) -> dict[str, int]:
+    """The blocks one prompt of `input_len` tokens hands over, in `bench.pd_transfer`'s terms."""
+    sections = tomllib.loads(Path(config_path).read_text())
+    sections.pop("disagg", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "base.toml"
+        path.write_text(to_toml(sections))
+        config = load_config(path)
+    arch = read_arch(config.model.source, config.model.path_or_none)
+    block_size = config.cache.block_size
+    return {
+        "num_blocks": (input_len - 1) // block_size,
+        "block_size": block_size,
+        "layers": arch.num_layers,
+        "heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim,
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, seed=args.seed)
+    warmup = random_requests(2, args.input_len, args.output_len, seed=args.seed + 1000)
+    work = Path(tempfile.mkdtemp(prefix="asyncpp-pd-bench-"))
+    colocated = work / "colocated.toml"
+    colocated.write_text(to_toml(run_sections(args.colocated, RunSpec("colocated", ()))))
+    disagg_sections = tomllib.loads(Path(args.disagg).read_text())
+    disagg_sections.setdefault("server", {})["port"] = 0
+    disagg = work / "disagg.toml"
+    disagg.write_text(_disagg_toml(disagg_sections))
+    runs: dict[str, list[dict]] = {"colocated": [], "disagg": []}
+    for r in range(args.repeat):
+        order = ("colocated", "disagg") if r % 2 == 0 else ("disagg", "colocated")
+        for name in order:
+            result = serve(colocated if name == "colocated" else disagg, args, requests, warmup)
+            runs[name].append(result)
+            m = result["metrics"]
+            print(
+                f"rep {r} {name:9s} TTFT mean/p99 {m['ttft_mean_ms']:7.1f}/{m['ttft_p99_ms']:7.1f} ms  "
+                f"TPOT mean/p99 {m['tpot_mean_ms']:6.1f}/{m['tpot_p99_ms']:6.1f} ms  "
+                f"{m['output_throughput']:6.1f} tok/s  failed {m['failed']}",
+                flush=True,
+            )
+    summary = {"args": vars(args), "runs": {k: [x["metrics"] for x in v] for k, v in runs.items()}}
+    print("\ndisagg / colocated (median over repetitions, min - max):")
+    ratios = {}
+    for figure in _FIGURES:
+        values = [d["metrics"][figure] / c["metrics"][figure] for c, d in zip(runs["colocated"], runs["disagg"])]
+        ratios[figure] = values
+        print(f"  {figure:18s} {statistics.median(values):.2f}x ({min(values):.2f} - {max(values):.2f})")
+    handovers = [d["stats"].get("pd_handover_s_mean") for d in runs["disagg"]]
+    handover_p50 = [d["stats"].get("pd_handover_s_p50") for d in runs["disagg"]]
+    from asyncpp.bench.pd_transfer import measure
+
+    raw = measure(**handed_over_shape(args.disagg, args.input_len), placement="runs", repeat=11)
+    nbytes = raw["nbytes"]
+    nixl_s, memcpy_s = nbytes / (raw["nixl_gbps"] * 1e9), nbytes / (raw["memcpy_gbps"] * 1e9)
+    print(f"\nhandover (router: prefill's last delta -> decode's first), {nbytes / 1e6:.1f} MB a request:")
+    print(f"  mean {_ms(handovers)}  p50 {_ms(handover_p50)} ms")
+    print(f"  raw NIXL read of the same bytes {nixl_s * 1e3:.2f} ms, memcpy {memcpy_s * 1e3:.2f} ms")
+    valid = [h for h in handover_p50 if h is not None]
+    if valid:
+        print(f"  handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.1f}x")
+    summary |= {"ratios": ratios, "handover_s_mean": handovers, "handover_s_p50": handover_p50, "raw": raw, "nbytes": nbytes}
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(summary, indent=2, default=str))
+    return 0
+
+
+def _ms(values) -> str:
+    return ", ".join("-" if v is None else f"{v * 1e3:.1f}" for v in values)
+
+
+def _disagg_toml(sections: dict[str, Any]) -> str:
+    """The PD config back as TOML; `[disagg.prefill]` / `[disagg.decode]` hold quoted dotted keys."""
+    disagg = sections.pop("disagg", {})
+    tables = {name: v for name, v in disagg.items() if isinstance(v, dict)}
+    text = to_toml({**sections, "disagg": {k: v for k, v in disagg.items() if k not in tables}})
+    for name, table in tables.items():
+        text += f"[disagg.{name}]\n" + "".join(f"{_toml_value(k)} = {_toml_value(v)}\n" for k, v in table.items()) + "\n"
+    return text
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
