@@ -122,7 +122,10 @@ class PDWorker(KVConnectorWorker):
     def _add_remote(self, handshake: EngineHandshake) -> None:
         self.topology.register_remote_engine(handshake)
         for stage in handshake.stages:
-            self._agents[(handshake.engine_id, stage.pp_rank)] = self.transport.add_remote(stage.agent_metadata)
+            key = (handshake.engine_id, stage.pp_rank)
+            if key in self._agents:  # the engine again (restarted): its agents may be new ones
+                self.transport.remove_remote(self._agents.pop(key))
+            self._agents[key] = self.transport.add_remote(stage.agent_metadata)
         self.log.info("remote_engine_added", engine_id=handshake.engine_id, pp_size=handshake.pp_size)
 
     # ---- per step --------------------------------------------------------------------------
