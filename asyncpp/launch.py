@@ -25,6 +25,7 @@ import uvloop
 from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices, is_cuda
+from asyncpp.disagg.config import is_disagg_config
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import (
     EngineCapacity,
@@ -287,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.log_level is None:
         ns.log_level = "warning" if ns.prompt is not None else "info"
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
+    if is_disagg_config(ns.config):  # prefill/decode disaggregation: two engines behind a router
+        from asyncpp.disagg.deploy import main as disagg_main
+
+        return disagg_main(ns)
     try:
         config = with_http_overrides(load_config(ns.config), ns.http_host, ns.http_port, ns.api_key)
     except ValueError as e:

@@ -8,12 +8,17 @@ from pathlib import Path
 import pytest
 
 from asyncpp.config import ConfigError, EngineConfig, config_from_dict, load_config
+from asyncpp.disagg.config import is_disagg_config, load_disagg_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
 def test_shipped_configs_load(name):
+    if is_disagg_config(CONFIGS / name):  # a prefill/decode deployment: its shared tables and both engines'
+        pd = load_disagg_config(CONFIGS / name)
+        assert all(isinstance(pd.engine_config(role), EngineConfig) for role in ("prefill", "decode"))
+        return
     config = load_config(CONFIGS / name)
     assert isinstance(config, EngineConfig)
 

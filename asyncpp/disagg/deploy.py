@@ -1,0 +1,153 @@
+"""`python -m asyncpp.launch --config pd.toml`: a prefill engine, a decode engine, the router in front.
+
+The launcher hands a config with a `[disagg]` table here (`asyncpp.launch.main`).
+It writes each engine's derived config (`asyncpp.disagg.config`) into a
+temporary directory, starts both engines as child launchers on free ports
+(each with its own stages; CPUs split between them when there are enough),
+waits for their ready lines, binds the router on `server.port`, exchanges the
+engines' KV handshakes, starts the HTTP front end against the router when
+asked, prints the router's ready line and serves (or answers `--prompt` once).
+
+An engine that exits fails its requests ("engine_dead") and leaves the router
+serving, unhealthy, until the launcher itself is stopped. Ctrl-C / SIGTERM:
+the router drains within `server.grace_period_s`, then the engines are
+stopped; the children are always reaped and the directory removed. Exit code:
+0, or 1 when an engine died (or the one-shot failed), 2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import uvloop
+
+from asyncpp.bench.runs import to_toml
+from asyncpp.config import EngineConfig, with_http_overrides
+from asyncpp.disagg.child import EngineChild, EngineStartError
+from asyncpp.disagg.config import ROLES, DisaggConfig, load_disagg_config, split_cpus
+from asyncpp.disagg.link import EngineLink
+from asyncpp.disagg.router import PDRouter
+from asyncpp.logging import get_logger
+from asyncpp.runtime.cpu_affinity import usable_cpu_ids
+from asyncpp.wire.queues import RouterQueue
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024  # as an engine's
+CHILD_STOP_MARGIN_S = 15.0  # beyond an engine's grace period before it is killed
+
+
+def main(ns: argparse.Namespace) -> int:
+    """After `asyncpp.launch` parsed the command line and configured logging."""
+    try:
+        pd = load_disagg_config(ns.config)
+        config = with_http_overrides(pd.shared, ns.http_host, ns.http_port, ns.api_key)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return uvloop.run(run(pd, config, ns))
+    except EngineStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if e.exit_code == 2 else 1
+
+
+def engine_files(pd: DisaggConfig, workdir: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...] | None]]:
+    """Each engine's config file, and its CPUs (None: both share the launcher's)."""
+    cpu_ids = usable_cpu_ids()
+    shares = split_cpus(cpu_ids, [pd.num_cpus_needed(role) for role in ROLES]) if pd.section.split_cpus else None
+    paths, cpus = {}, {}
+    for i, role in enumerate(ROLES):
+        sections = pd.engines[role]
+        if shares is None:  # sharing every CPU: two engines pinning threads to the same cores would collide
+            sections = {**sections, "parallel": {**sections.get("parallel", {}), "pin_threads": False}}
+        paths[role] = workdir / f"{role}.toml"
+        paths[role].write_text(to_toml(sections))
+        cpus[role] = shares[i] if shares is not None else None
+    return paths, cpus
+
+
+async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) -> int:
+    """`config`: the shared tables with the command line's HTTP settings; its [server] is the router's."""
+    from asyncpp.launch import http_url, one_shot, start_http, stop_http  # launch hands PD configs to this module
+
+    log = get_logger(role="pd_launch")
+    loop = asyncio.get_running_loop()
+    main_task = asyncio.current_task()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: stop, reaping what started
+        loop.add_signal_handler(sig, main_task.cancel)
+    workdir = Path(tempfile.mkdtemp(prefix="asyncpp-pd-"))
+    paths, cpus = engine_files(pd, workdir)
+    log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
+    log_args += ["--log-file", ns.log_file] if ns.log_file else []
+    children = {
+        role: EngineChild(role, ["--config", str(paths[role]), *log_args], cpus=cpus[role],
+                          prefix_output=ns.log_format == "console")
+        for role in ROLES
+    }  # fmt: skip
+    router: PDRouter | None = None
+    http = None
+    watchers: list[asyncio.Task] = []
+    try:
+        for child in children.values():
+            await child.start()
+        timeout_s = pd.section.start_timeout_s
+        addresses = await asyncio.gather(*(child.wait_ready(timeout_s) for child in children.values()))
+        links = {
+            role: EngineLink(role, address, health_interval_s=pd.section.health_interval_s,
+                             health_timeout_s=pd.section.health_timeout_s)
+            for role, address in zip(ROLES, addresses)
+        }  # fmt: skip
+        port = config.server.port if ns.port is None else ns.port
+        router = PDRouter(RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES), links["prefill"], links["decode"])
+        try:
+            await router.connect(timeout_s)
+        except (TimeoutError, RuntimeError) as e:  # an engine that does not answer, or refuses the other
+            raise EngineStartError(f"KV handshakes: {e}") from e
+        watchers = [asyncio.create_task(_watch(children[role], links[role])) for role in ROLES]
+        grace_s = config.server.grace_period_s
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(router.drain_and_stop(grace_s)))
+        log.info("pd_ready", address=router.address, prefill=addresses[0], decode=addresses[1],
+                 cpus={role: list(c) if c else None for role, c in cpus.items()})  # fmt: skip
+        if config.server.http_port:
+            http = await start_http(str(paths["decode"]), config, router.address, ns)
+            print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
+        # Only now: whoever reads this line may signal us at once.
+        print(f"asyncpp ready: clients connect to {router.address} (prefill/decode router: "
+              f"prefill {addresses[0]}, decode {addresses[1]})", file=sys.stderr, flush=True)  # fmt: skip
+        serving = asyncio.create_task(router.serve())
+        ok = True
+        if ns.prompt is not None:
+            ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
+            await router.drain_and_stop(grace_s)
+        await serving
+        return 0 if ok and router.is_healthy else 1
+    except asyncio.CancelledError:
+        log.info("pd_start_interrupted")
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
+            loop.add_signal_handler(sig, lambda: log.warning("pd_stopping_already"))
+        for task in watchers:
+            task.cancel()
+        if http is not None:
+            await stop_http(http)
+        if router is not None:
+            await router.close()
+        grace_s = config.server.grace_period_s
+        await asyncio.gather(*(child.stop(grace_s + CHILD_STOP_MARGIN_S) for child in children.values()))
+        shutil.rmtree(workdir, ignore_errors=True)
+        log.info("pd_stopped")
+
+
+async def _watch(child: EngineChild, link: EngineLink) -> None:
+    """An engine process that exits while the launcher runs: its requests fail, it never returns."""
+    code = await child.wait()
+    if not child.is_stopping:
+        link.mark_gone(f"its process exited with code {code}")
+

@@ -1,0 +1,287 @@
+"""`PDRouter`: one address for clients in front of a prefill engine and a decode engine.
+
+It speaks the engine's client protocol, so a client (or the HTTP front end)
+cannot tell it from an engine. Each request is one task:
+1. prefill: the same prompt to the prefill engine with `max_tokens` 1 (its
+   token is discarded) and `kv_transfer_params={"do_remote_decode": True}`;
+   its final delta's `kv_transfer_params` say where the prompt's KV waits;
+2. decode: the client's own request to the decode engine with those params,
+   verbatim (None: the decode engine computes the prompt itself); its deltas
+   go back to the client unchanged, under the client's request id.
+Both engines know the request by one id the router makes (`<client id>.pd<n>`,
+unique per router), so two clients may use the same id. Errors from either
+engine reach the client with their kind. An abort (or the client gone) cancels
+the task, and cancelling it aborts the request in whichever engine holds it
+(`AsyncClient.generate` sends the abort as its stream closes); an abort before
+the decode phase starts means it never starts. An engine found dead
+(`EngineLink`) fails the requests that need it with "engine_dead" at once,
+and new requests are refused until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncpp.disagg.front import ClientFront
+from asyncpp.disagg.link import EngineLink, exchange_handshakes
+from asyncpp.disagg.stats import RouterCounters, merged_stats
+from asyncpp.disagg.translate import DO_REMOTE_DECODE, error_reply, invalid, prefill_params
+from asyncpp.logging import get_logger
+from asyncpp.sampling.params import SamplingParams
+from asyncpp.wire.client_msgs import (
+    AddRemoteEngine,
+    AddRemoteEngineReply,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    KVHandshakeReply,
+    KVHandshakeRequest,
+    StatsReply,
+    StatsRequest,
+)
+from asyncpp.wire.queues import RouterQueue
+
+STATS_TIMEOUT_S = 1.0  # per engine; the HTTP front end gives the router 2 s
+REVIVE_TIMEOUT_S = 2.0
+
+
+@dataclass(eq=False)
+class RoutedRequest:
+    peer: bytes
+    msg: GenerateRequest  # as the client sent it
+    engine_request_id: str  # its id on both engines
+    phase: str = "prefill"  # "prefill" | "decode"
+    prefill_done_at: float = 0.0
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> tuple[bytes, str]:
+        return self.peer, self.msg.request_id
+
+
+class RequestError(Exception):
+    """The request is over with this error for its client."""
+
+    def __init__(self, reply: ErrorReply) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+class PDRouter:
+    def __init__(self, queue: RouterQueue, prefill: EngineLink, decode: EngineLink) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        replies = {
+            HealthRequest: self._health,
+            StatsRequest: self._stats,
+            KVHandshakeRequest: self._kv_handshake,
+            AddRemoteEngine: self._add_remote_engine,
+        }
+        self.front = ClientFront(queue, self, replies)
+        self.requests: dict[tuple[bytes, str], RoutedRequest] = {}
+        self.counters = RouterCounters()
+        self.is_draining = False
+        self._ids = itertools.count(1)
+        self._stop = asyncio.Event()
+        self.log = get_logger(role="pd_router")
+        for link in (prefill, decode):
+            link.on_dead = self._engine_dead
+            link.on_answer = self._engine_answers
+
+    @property
+    def address(self) -> str:
+        return self.front.queue.address
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.prefill.is_alive and self.decode.is_alive
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def connect(self, timeout_s: float) -> None:
+        """Start-up: exchange the engines' KV handshakes (waiting for both to answer)."""
+        await exchange_handshakes(self.prefill, self.decode, timeout_s)
+
+    async def serve(self) -> None:
+        tasks = [
+            asyncio.create_task(self.front.serve(), name="pd_clients"),
+            asyncio.create_task(self.prefill.monitor(), name="pd_prefill_health"),
+            asyncio.create_task(self.decode.monitor(), name="pd_decode_health"),
+        ]
+        await self._stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def drain_and_stop(self, grace_period_s: float) -> None:
+        """Refuse new requests, let running ones finish within the grace period, fail the rest."""
+        if self.is_draining:
+            return
+        self.is_draining = True
+        self.log.info("router_draining", num_unfinished=len(self.requests), grace_period_s=grace_period_s)
+        deadline = time.monotonic() + grace_period_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        tasks = [req.task for req in self.requests.values() if req.task is not None]
+        for req in list(self.requests.values()):
+            self._fail(req, "the router shut down before the request finished", "shutdown")
+        if tasks:  # cancelled: let their aborts reach the engines
+            await asyncio.wait(tasks, timeout=1.0)
+        self._stop.set()
+
+    async def close(self) -> None:
+        await self.front.close()
+        self.prefill.close()
+        self.decode.close()
+
+    # ---- requests (`RouterSink`) -----------------------------------------------------------
+    def add_request(self, peer: bytes, msg: GenerateRequest) -> ErrorReply | None:
+        rid = msg.request_id
+        if msg.kv_transfer_params is not None:
+            return invalid(rid, "kv_transfer_params", "set by the prefill/decode router, never by its clients")
+        if self.is_draining:
+            return ErrorReply(rid, "the router is shutting down", "shutdown")
+        for link in (self.prefill, self.decode):
+            if not link.is_alive:
+                return ErrorReply(rid, link.dead_message(), "engine_dead")
+        if not isinstance(rid, str) or not rid:
+            return invalid(rid, "request_id", "must be a non-empty string")
+        if (peer, rid) in self.requests:
+            return invalid(rid, "request_id", f"duplicate request id {rid!r}")
+        try:  # as the engines would: a bad value is refused before a prefill is spent on it
+            SamplingParams.from_dict(msg.sampling_params).validate()
+        except (TypeError, ValueError) as e:
+            return invalid(rid, "sampling_params", str(e))
+        req = RoutedRequest(peer, msg, f"{rid}.pd{next(self._ids)}")
+        self.requests[req.key] = req
+        self.counters.num_requests += 1
+        req.task = asyncio.get_running_loop().create_task(self._route(req))
+        return None
+
+    def abort(self, peer: bytes, request_id: str) -> None:
+        req = self.requests.pop((peer, request_id), None)
+        if req is not None:
+            self.counters.num_aborted += 1
+            self.log.debug("request_aborted", request_id=req.engine_request_id, phase=req.phase)
+            req.task.cancel()  # closing its engine stream aborts it there
+
+    def drop_peer(self, peer: bytes) -> None:
+        gone = [key for key in self.requests if key[0] == peer]
+        for _, request_id in gone:
+            self.abort(peer, request_id)
+        if gone:
+            self.log.info("client_gone", peer=peer.hex(), num_aborted=len(gone))
+
+    async def _route(self, req: RoutedRequest) -> None:
+        try:
+            kv_transfer_params = await self._run_prefill(req)
+            if self.requests.get(req.key) is not req:
+                return  # aborted or failed while its last prefill delta was on its way
+            req.phase = "decode"
+            if not self.decode.is_alive:
+                raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
+            await self._run_decode(req, kv_transfer_params)
+        except RequestError as e:
+            self._fail(req, e.reply.message, e.reply.kind, e.reply.field)
+        except Exception as e:  # a bug here fails this request, not the router
+            self.log.exception("request_routing_failed", request_id=req.engine_request_id, error=repr(e))
+            self._fail(req, repr(e), "internal")
+
+    async def _run_prefill(self, req: RoutedRequest) -> dict[str, Any] | None:
+        t0 = time.monotonic()
+        params = prefill_params(req.msg.sampling_params)
+        stream = self.prefill.client.generate(req.msg.prompt, params, req.engine_request_id, DO_REMOTE_DECODE)
+        last = None
+        async with contextlib.aclosing(stream):
+            try:
+                async for last in stream:
+                    pass
+            except Exception as e:
+                raise RequestError(error_reply(req.msg.request_id, e, self.prefill.name)) from e
+        req.prefill_done_at = time.monotonic()
+        self.counters.prefill_done(req.prefill_done_at - t0)
+        return last.kv_transfer_params if last is not None else None
+
+    async def _run_decode(self, req: RoutedRequest, kv_transfer_params: dict[str, Any] | None) -> None:
+        msg = req.msg
+        self.counters.num_handovers += 1
+        stream = self.decode.client.generate(msg.prompt, msg.sampling_params, req.engine_request_id, kv_transfer_params)
+        is_first = True
+        async with contextlib.aclosing(stream):
+            try:
+                async for delta in stream:
+                    if is_first:
+                        self.counters.handover_done(time.monotonic() - req.prefill_done_at)
+                        is_first = False
+                    if delta.finished and self.requests.get(req.key) is req:
+                        del self.requests[req.key]  # over: a late abort finds nothing
+                        self.counters.num_finished += 1
+                    self.front.push_delta(req.peer, msg.request_id, delta)
+            except Exception as e:
+                raise RequestError(error_reply(msg.request_id, e, self.decode.name)) from e
+
+    def _fail(self, req: RoutedRequest, message: str, kind: str, error_field: str | None = None) -> None:
+        """End the request with an error for its client (once) and stop its task."""
+        if self.requests.get(req.key) is not req:
+            return  # finished, aborted or failed already
+        del self.requests[req.key]
+        self.counters.num_failed += 1
+        self.log.info("request_failed", request_id=req.engine_request_id, phase=req.phase, kind=kind, error=message)
+        if req.task is not None and req.task is not asyncio.current_task():
+            req.task.cancel()
+        self.front.push_error(req.peer, ErrorReply(req.msg.request_id, message, kind, error_field))
+
+    # ---- engines ---------------------------------------------------------------------------
+    def _engine_dead(self, link: EngineLink) -> None:
+        # Every request needs the decode engine; only those still prefilling need the prefill one.
+        for req in list(self.requests.values()):
+            if link is self.decode or req.phase == "prefill":
+                self._fail(req, link.dead_message(), "engine_dead")
+
+    async def _engine_answers(self, link: EngineLink) -> bool:
+        """A dead engine answers again (restarted): it serves once the handshakes are exchanged
+        anew; with the other engine dead too, that waits for the other's return."""
+        other = self.decode if link is self.prefill else self.prefill
+        if other.is_alive:
+            try:
+                await exchange_handshakes(self.prefill, self.decode, REVIVE_TIMEOUT_S)
+            except (TimeoutError, RuntimeError) as e:
+                self.log.warning("engine_revival_failed", engine=link.role, error=str(e))
+                return False
+        return True
+
+    # ---- request/reply ---------------------------------------------------------------------
+    async def _health(self, msg: HealthRequest) -> HealthReply:
+        return HealthReply(msg.nonce, self.is_healthy)
+
+    async def _stats(self, msg: StatsRequest) -> StatsReply:
+        prefill, decode = await asyncio.gather(_engine_stats(self.prefill), _engine_stats(self.decode))
+        router = {
+            **self.counters.stats(),
+            "pd_num_unfinished": len(self.requests),
+            "pd_engines": {
+                link.role: {"address": link.address, "dead_reason": link.dead_reason} for link in (self.prefill, self.decode)
+            },
+            "is_dead": not self.is_healthy,
+        }
+        return StatsReply(msg.nonce, merged_stats(prefill, decode, router))
+
+    async def _kv_handshake(self, msg: KVHandshakeRequest) -> KVHandshakeReply:
+        return KVHandshakeReply(msg.nonce, None)
+
+    async def _add_remote_engine(self, msg: AddRemoteEngine) -> AddRemoteEngineReply:
+        return AddRemoteEngineReply(msg.nonce, "a prefill/decode router has no KV connector: tell its engines")
+
+
+async def _engine_stats(link: EngineLink) -> dict[str, Any] | None:
+    if not link.is_alive:
+        return None
+    try:
+        return await link.client.stats(timeout_s=STATS_TIMEOUT_S)
+    except TimeoutError:
+        return None

@@ -1,0 +1,71 @@
+"""The router's counters and the stats reply that merges both engines' stats.
+
+The reply keeps the decode engine's stats at the top level, so whatever
+reads one engine's stats (the HTTP front end's /metrics gauges: running,
+waiting, KV usage) reads the decode engine's, where the requests spend their
+lives; both engines' full stats sit under "prefill" and "decode" (None when
+that engine does not answer), and the router's own under `pd_*`.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_SAMPLES = 10_000  # percentiles over the most recent handovers
+
+
+@dataclass
+class RouterCounters:
+    num_requests: int = 0  # accepted by the router
+    num_handovers: int = 0  # handed from the prefill engine to the decode engine
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_failed: int = 0
+    num_prefills_timed: int = 0
+    prefill_s_sum: float = 0.0
+    handover_s_sum: float = 0.0
+    num_handovers_timed: int = 0
+    handover_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
+
+    def prefill_done(self, prefill_s: float) -> None:
+        """Prefill request sent -> its final delta in."""
+        self.num_prefills_timed += 1
+        self.prefill_s_sum += prefill_s
+
+    def handover_done(self, handover_s: float) -> None:
+        """Prefill's final delta in -> the decode engine's first delta in."""
+        self.num_handovers_timed += 1
+        self.handover_s_sum += handover_s
+        self.handover_s.append(handover_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pd_num_requests": self.num_requests,
+            "pd_num_handovers": self.num_handovers,
+            "pd_num_finished": self.num_finished,
+            "pd_num_aborted": self.num_aborted,
+            "pd_num_failed": self.num_failed,
+            "pd_prefill_s_mean": _mean(self.prefill_s_sum, self.num_prefills_timed),
+            "pd_handover_s_mean": _mean(self.handover_s_sum, self.num_handovers_timed),
+            "pd_handover_s_p50": percentile(self.handover_s, 50),
+            "pd_handover_s_p99": percentile(self.handover_s, 99),
+        }
+
+
+def merged_stats(
+    prefill: dict[str, Any] | None, decode: dict[str, Any] | None, router: dict[str, Any]
+) -> dict[str, Any]:
+    return {**(decode or {}), "prefill": prefill, "decode": decode, **router}
+
+
+def percentile(values, q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def _mean(total: float, count: int) -> float | None:
+    return total / count if count else None

@@ -1,0 +1,52 @@
+"""How a client's request becomes the engines' requests, and how their errors come back.
+
+The prefill engine gets the client's prompt and sampling params with
+`max_tokens` 1 and nothing that would only cost (logprobs) or end it
+differently (stop strings, stop tokens): its one token is discarded. The
+router refuses what an engine would refuse, with the engine's words
+(`invalid`), and hands an engine's `ErrorReply` on as it was sent: the
+`AsyncClient` it reads engines with raises it as an exception, which
+`error_reply` turns back into the reply. Two are reworded: an engine_dead
+error names the engine, and an engine refusing the `kv_transfer_params` the
+router gave it is "internal" (clients set none, so it is not theirs to fix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncpp.client import RequestFailedError
+from asyncpp.errors import EngineDeadError, InvalidRequestError
+from asyncpp.wire.client_msgs import ErrorReply
+
+DO_REMOTE_DECODE = {"do_remote_decode": True}
+# What could make the discarded prefill token cost more or end differently; max_tokens is 1.
+_NOT_FOR_PREFILL = ("stop", "stop_token_ids", "include_stop_str_in_output", "logprobs")
+
+
+def prefill_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The client's sampling params for the prefill engine: one token, nothing that stops it early."""
+    return {**{k: v for k, v in params.items() if k not in _NOT_FOR_PREFILL}, "max_tokens": 1}
+
+
+def invalid(request_id: str, error_field: str, message: str) -> ErrorReply:
+    """As an engine refuses: the message starts with the field (`InvalidRequestError`)."""
+    return ErrorReply(request_id, str(InvalidRequestError(error_field, message)), "invalid_request", error_field)
+
+
+def error_reply(request_id: str, error: Exception, engine_name: str) -> ErrorReply:
+    """The `ErrorReply` an engine sent, back from the exception `AsyncClient` raised for it."""
+    if isinstance(error, InvalidRequestError):
+        text, prefix = str(error), f"{error.field}: "
+        message = text.removeprefix(prefix)
+        if error.field == "kv_transfer_params":  # the router's params, not the client's: not its fault
+            why = message.removeprefix(prefix)  # the engine's own message names the field too
+            return ErrorReply(request_id, f"{engine_name} refused the router's kv_transfer_params: {why}", "internal")
+        # AsyncClient names a reply without a field "request".
+        return ErrorReply(request_id, message, "invalid_request", None if error.field == "request" else error.field)
+    if isinstance(error, EngineDeadError):
+        return ErrorReply(request_id, f"{engine_name}: {error}", "engine_dead")
+    if isinstance(error, RequestFailedError):
+        kind, _, message = str(error).partition(": ")
+        return ErrorReply(request_id, message, kind)
+    return ErrorReply(request_id, f"{engine_name}: {error!r}", "internal")

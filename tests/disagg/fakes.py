@@ -1,0 +1,126 @@
+"""In-process fake engines for the router's tests: asyncio servers on a `RouterQueue` that speak
+the client protocol, record what they get and answer as a prefill or a decode engine would.
+
+* prefill: one finished delta per request (token 7) with `kv_transfer_params` {"x": 1};
+* decode: three deltas (`decode_deltas`: logprobs, a stop string, its own last params), once its
+  `kv_transfer_params` are checked to be the ones the prefill handed out.
+The prompt "prefill error" ("decode error") makes that engine answer `FakeEngine.error` instead. `gate` (cleared) holds a
+role's requests before their first delta (prefill) or after it (decode) until set, so a test
+can act in either phase. `kill()` stops answering anything, as a killed process would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from asyncpp.kv_transfer.handshake import EngineHandshake
+from asyncpp.wire.client_msgs import (
+    AbortRequest,
+    AddRemoteEngine,
+    AddRemoteEngineReply,
+    ErrorReply,
+    GenerateRequest,
+    HealthReply,
+    HealthRequest,
+    KVHandshakeReply,
+    KVHandshakeRequest,
+    RequestDelta,
+    RequestDeltas,
+    StatsReply,
+    StatsRequest,
+)
+from asyncpp.wire.queues import RouterQueue
+from asyncpp.worker.outputs import Logprobs
+
+PREFILL_PARAMS = {"x": 1}
+
+
+def decode_deltas(request_id: str) -> list[RequestDelta]:
+    """What the fake decode engine streams for a request (the router must pass it on unchanged)."""
+    return [
+        RequestDelta(request_id, "a", [1], logprobs=[Logprobs(-0.5, [1, 4], [-0.5, -1.5])], num_prompt_tokens=5),
+        RequestDelta(request_id, "b", [2], num_prompt_tokens=5),
+        RequestDelta(request_id, "c", [3], True, "stop", "c", None, 5, 4, {"decode": "done"}),
+    ]
+
+
+class FakeEngine:
+    def __init__(self, role: str, handshake: EngineHandshake | None = None) -> None:
+        self.role = role
+        self.queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
+        self.handshake = handshake
+        self.received: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.remote_engines: list[EngineHandshake] = []
+        self.is_healthy = True
+        self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "role": role}
+        self.kv_transfer_params: dict[str, Any] | None = PREFILL_PARAMS  # prefill: what it hands out
+        self.expected_params: dict[str, Any] | None = PREFILL_PARAMS  # decode: what it must get
+        self.error = ErrorReply(None, "prompt: the fake refuses it", "invalid_request", "prompt")
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.num_handshake_requests = 0
+        self._requests: dict[str, asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.queue.address
+
+    def start(self) -> FakeEngine:
+        self._task = asyncio.create_task(self._serve())
+        return self
+
+    def kill(self) -> None:
+        """Answer nothing from now on (the socket stays bound: ZMQ just never hears back)."""
+        self._task.cancel()
+        for task in self._requests.values():
+            task.cancel()
+
+    def close(self) -> None:
+        self.kill()
+        self.queue.close()
+
+    async def _serve(self) -> None:
+        while True:
+            peer, msg = await self.queue.get()
+            if isinstance(msg, GenerateRequest):
+                self.received.append(msg)
+                self._requests[msg.request_id] = asyncio.create_task(self._generate(peer, msg))
+            elif isinstance(msg, AbortRequest):
+                self.aborted.append(msg.request_id)
+                task = self._requests.pop(msg.request_id, None)
+                if task is not None:
+                    task.cancel()
+            elif isinstance(msg, HealthRequest):
+                await self.queue.put(peer, HealthReply(msg.nonce, self.is_healthy))
+            elif isinstance(msg, StatsRequest):
+                await self.queue.put(peer, StatsReply(msg.nonce, self.stats))
+            elif isinstance(msg, KVHandshakeRequest):
+                self.num_handshake_requests += 1
+                await self.queue.put(peer, KVHandshakeReply(msg.nonce, self.handshake))
+            elif isinstance(msg, AddRemoteEngine):
+                self.remote_engines.append(msg.handshake)
+                await self.queue.put(peer, AddRemoteEngineReply(msg.nonce))
+
+    async def _generate(self, peer: bytes, msg: GenerateRequest) -> None:
+        rid = msg.request_id
+        if msg.prompt == f"{self.role} error":
+            await self.queue.put(peer, ErrorReply(rid, self.error.message, self.error.kind, self.error.field))
+            return
+        if self.role == "prefill":
+            await self.gate.wait()
+            delta = RequestDelta(rid, "z", [7], True, "length", None, None, 5, 0, self.kv_transfer_params)
+            await self.queue.put(peer, RequestDeltas.of([delta]))
+        else:
+            if msg.kv_transfer_params != self.expected_params:
+                error = f"kv_transfer_params: expected {self.expected_params!r}, got {msg.kv_transfer_params!r}"
+                await self.queue.put(peer, ErrorReply(rid, error, "invalid_request", "kv_transfer_params"))
+                return
+            first, *rest = decode_deltas(rid)
+            await self.queue.put(peer, RequestDeltas.of([first]))
+            await self.gate.wait()
+            for delta in rest:  # one frame per "step"
+                await self.queue.put(peer, RequestDeltas.of([delta]))
+        self._requests.pop(rid, None)

@@ -1,0 +1,147 @@
+"""`python -m asyncpp.launch` with a `[disagg]` config: two child engines and the router, launched.
+
+The deployment runs on the tiny model with the `pd_stub` connector (`tests.disagg.stub_connector`:
+the protocol without moving KV) so that it is tested whatever the state of the real connector;
+`test_pd_connector_equals_one_engine` runs the real `pd` connector end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+from asyncpp import launch
+from asyncpp.bench.runs import to_toml
+from asyncpp.client import AsyncClient
+from asyncpp.config import ConfigError
+from asyncpp.engine.engine import Engine
+from asyncpp.errors import EngineDeadError
+from asyncpp.kernels import isa
+from asyncpp.kv_transfer.registry import connector_classes
+from asyncpp.sampling.params import SamplingParams
+from tests.conftest import tiny_config, tiny_prompts
+from tests.runtime.conftest import collect, collect_all, wait_until
+from tests.runtime.harness import launched, pid_alive, tiny_sections
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+STUB = {"connector": "pd_stub", "module": "tests.disagg.stub_connector"}
+
+
+def pd_sections(model_dir, kv_transfer: dict, prefill: dict | None = None, decode: dict | None = None, **sections) -> dict:
+    base = tiny_sections(model_dir, 1, kv_transfer=kv_transfer, **sections)
+    base["disagg"] = {
+        "prefill": {"kv_transfer.engine_id": "prefill-0", **(prefill or {})},
+        "decode": {"kv_transfer.engine_id": "decode-0", **(decode or {})},
+    }
+    return base
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return tiny_prompts(320, 6)
+
+
+@pytest.fixture(scope="module")
+def one_engine(tiny_hf_dir, prompts):
+    """Greedy token ids from one in-process engine: what the deployment must give."""
+    return [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, GREEDY)]
+
+
+async def test_deployment_serves_like_one_engine_then_survives_a_dead_decode_engine(
+    tmp_path, tiny_hf_dir, prompts, one_engine
+):
+    http_port = free_port()
+    sections = pd_sections(tiny_hf_dir, STUB, server={"http_port": http_port, "served_model_name": "tiny"})
+    with launched(tmp_path, sections) as pd:
+        client = AsyncClient(pd.address)
+        try:
+            results, stats = await collect_all(pd.address, prompts, GREEDY)
+            assert [r[0] for r in results] == one_engine
+            assert stats["pd_num_handovers"] == stats["pd_num_finished"] == len(prompts)
+            assert stats["prefill"]["num_kv_blocks"] > 0 and stats["decode"]["pid"] == stats["pid"]
+            assert stats["prefill"]["pid"] != stats["decode"]["pid"] and not stats["is_dead"]
+            assert await client.health()
+
+            # The HTTP front end talks to the router: same answer, and /metrics reads the decode engine.
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
+                body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                reply = (await http.post("/v1/completions", json=body)).json()
+                assert reply["usage"]["completion_tokens"] == 16
+                assert (await http.get("/health")).status_code == 200
+                metrics = (await http.get("/metrics")).text
+                assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics, metrics
+
+            # A decode engine killed mid-request: the request fails at once, the router stays up.
+            long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+            stream = client.generate(prompts[1], long)
+            await anext(aiter(stream))
+            decode_pids = [stats["decode"]["pid"], *stats["decode"]["stage_pids"]]
+            prefill_pids = [stats["prefill"]["pid"], *stats["prefill"]["stage_pids"]]
+            t0 = time.monotonic()
+            os.kill(decode_pids[0], signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="decode engine"):
+                async for _ in stream:
+                    pass
+            assert time.monotonic() - t0 < 2.0
+            assert not await client.health()
+            with pytest.raises(EngineDeadError, match="decode engine .* is dead: its process exited"):
+                await collect(client, prompts[0], GREEDY)
+            assert pd.proc.poll() is None  # still serving
+        finally:
+            client.close()
+        pd.proc.send_signal(signal.SIGTERM)
+        assert pd.wait(timeout_s=30) == 1  # an engine died during the run
+    wait_until(lambda: not any(pid_alive(p) for p in decode_pids + prefill_pids), 10, "every engine process gone")
+
+
+def test_a_bad_override_exits_2_naming_its_engine(tmp_path, tiny_hf_dir, capsys):
+    config = tmp_path / "pd.toml"
+    config.write_text(to_toml(pd_sections(tiny_hf_dir, STUB, decode={"parallel.pp_sise": 2})))
+    assert launch.main(["--config", str(config), "--log-level", "warning"]) == 2
+    assert "error: disagg.decode: unknown config key parallel.pp_sise" in capsys.readouterr().err
+    config.write_text(to_toml(pd_sections(tiny_hf_dir, STUB, prefill={"kv_transfer.kv_role": "consumer"})))
+    assert launch.main(["--config", str(config)]) == 2
+    assert "disagg.prefill: kv_transfer.kv_role must be 'producer'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(isa.cpu_info().supports("amx"), reason="this CPU has AMX")
+def test_an_engine_that_fails_at_start_up_stops_the_launch(tmp_path, tiny_hf_dir, capsys):
+    config = tmp_path / "pd.toml"
+    config.write_text(to_toml(pd_sections(tiny_hf_dir, STUB, decode={"model.cpu_isa": "amx"})))
+    t0 = time.monotonic()
+    assert launch.main(["--config", str(config), "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err
+    assert "the decode engine exited with code 2 before it was ready" in err and "model.cpu_isa = 'amx'" in err
+    assert time.monotonic() - t0 < 60
+
+
+def _has_pd_connector() -> bool:
+    try:
+        connector_classes("pd")
+        return True
+    except (ConfigError, ImportError):
+        return False
+
+
+@pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
+async def test_pd_connector_equals_one_engine(tmp_path, tiny_hf_dir, prompts, one_engine):
+    """The decode engine pulls each prompt's KV from the prefill engine: same greedy tokens."""
+    with launched(tmp_path, pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 10.0})) as pd:
+        results, stats = await collect_all(pd.address, prompts, GREEDY)
+        pd.proc.send_signal(signal.SIGTERM)
+        assert pd.wait(timeout_s=30) == 0, "".join(pd.output[-40:])
+    assert [r[0] for r in results] == one_engine
+    assert stats["pd_num_handovers"] == len(prompts)
+    assert stats["decode"]["num_external_prefix_hit_tokens"] > 0  # KV came from the prefill engine
+    assert not any("Traceback" in line for line in pd.output), "".join(pd.output[-40:])
