@@ -33,7 +33,7 @@ from asyncpp.bench.runs import RunSpec, _toml_value, run_sections, to_toml
 from asyncpp.config import load_config
 from asyncpp.weights import read_arch
 
-_FIGURES = ("ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms", "itl_p99_ms", "output_throughput")
+_FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "output_throughput")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,8 +100,8 @@ def main(argv=None) -> int:
             runs[name].append(result)
             m = result["metrics"]
             print(
-                f"rep {r} {name:9s} TTFT mean/p99 {m['ttft_mean_ms']:7.1f}/{m['ttft_p99_ms']:7.1f} ms  "
-                f"TPOT mean/p99 {m['tpot_mean_ms']:6.1f}/{m['tpot_p99_ms']:6.1f} ms  "
+                f"rep {r} {name:9s} TTFT mean/p99 {m['mean_ttft_ms']:7.1f}/{m['p99_ttft_ms']:7.1f} ms  "
+                f"TPOT mean/p99 {m['mean_tpot_ms']:6.1f}/{m['p99_tpot_ms']:6.1f} ms  "
                 f"{m['output_throughput']:6.1f} tok/s  failed {m['failed']}",
                 flush=True,
             )
