@@ -298,6 +298,7 @@ class Scheduler(KVTransferScheduling):
         """
         if kv_connector_output is not None and self.connector is not None:
             self._update_from_connector(kv_connector_output)
+            self._check_sync_loads(plan.step_id, kv_connector_output.invalid_block_ids)
         cohort = self._in_flight.get(plan.step_id)
         if cohort is None:
             raise ValueError(f"step {plan.step_id} is not in flight (unknown, or its output was already applied)")
@@ -423,6 +424,8 @@ class Scheduler(KVTransferScheduling):
                         continue
                     if is_loading:
                         continue  # it left the queue to wait for its KV; the next one may go
+                    if self._block_manager.has_blocks(request.request_id):  # loaded within this plan
+                        has_blocks, hit_block_ids, num_hit_tokens = True, [], request.num_computed_tokens
             num_new_tokens = len(token_ids) - num_hit_tokens
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 break

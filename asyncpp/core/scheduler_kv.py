@@ -65,6 +65,10 @@ class KVTransferScheduling:
         # Their merged send report counts as failed: timed out, or they read a failed step's KV.
         self._untrusted_sends: set[str] = set()
         self._asked_again_since: dict[str, float] = {}  # request -> first "ask again later"
+        # Loads within a plan (the connector offered them synchronously): request -> (the plan
+        # carrying the load, the blocks it fills), until that plan's output is back.
+        self._sync_loads: dict[str, tuple[int, list[int]]] = {}
+        self._failed_requests: list[tuple[str, str]] = []  # (request, why) for the engine to fail
         self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
         self.num_failed_load_tokens = 0  # promised by the connector, failed to load, recomputed
         self.num_timed_out_transfers = 0
@@ -125,11 +129,6 @@ class KVTransferScheduling:
         self._asked_again_since.pop(request_id, None)
         if num_external <= 0:
             return False
-        if not load_async:
-            raise NotImplementedError(
-                f"KV connector {type(self.connector).__name__} offered a synchronous load; "
-                "only asynchronous loads are supported"
-            )
         if num_hit_tokens + num_external >= len(token_ids) or num_external % self._block_manager.block_size:
             raise ValueError(
                 f"KV connector offered {num_external} tokens after {num_hit_tokens} of {len(token_ids)}: "
@@ -140,8 +139,11 @@ class KVTransferScheduling:
         )
         if block_ids is None:
             return False  # no room to load into: compute it instead (or wait for blocks like anyone)
-        self._queues.take_waiting(request)
         block_size = self._block_manager.block_size
+        if not load_async:
+            self._start_sync_load(request, block_ids, num_hit_tokens, num_external)
+            return False
+        self._queues.take_waiting(request)
         self._load_block_ids[request_id] = block_ids[num_hit_tokens // block_size :]
         self._waiting_for_remote[request_id] = request
         self._load_deadlines[request_id] = self._clock() + self.connector.ctx.load_timeout_s
@@ -152,6 +154,58 @@ class KVTransferScheduling:
         request.num_computed_tokens = num_hit_tokens
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
+
+    def _start_sync_load(self, request: Request, block_ids: list[int], num_hit_tokens: int, num_external: int) -> None:
+        """A load within the plan being built: every stage finishes it before that plan's forward,
+        so the request is computed from `num_hit_tokens + num_external` on at once (admission goes
+        on with its blocks allocated). If the load fails, the request fails (`take_failed_requests`)."""
+        block_size = self._block_manager.block_size
+        self._sync_loads[request.request_id] = (self._next_step_id, block_ids[num_hit_tokens // block_size :])
+        if request.status is RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+            request.num_external_tokens = num_external
+        request.num_computed_tokens = num_hit_tokens  # as the connector sees it in both modes
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        request.num_computed_tokens += num_external
+        self.num_external_hit_tokens += num_external
+
+    def _check_sync_loads(self, step_id: int, invalid_block_ids: frozenset[int]) -> None:
+        """The plan `step_id` is back: its synchronous loads either filled their blocks, or their
+        requests (and any that hit those blocks meanwhile) fail."""
+        for request_id, (load_step_id, block_ids) in list(self._sync_loads.items()):
+            if load_step_id != step_id:
+                continue
+            del self._sync_loads[request_id]
+            self._invalid_block_ids.difference_update(block_ids)  # reported for this load only
+            bad = invalid_block_ids.intersection(block_ids)
+            if not bad:
+                continue
+            self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
+            self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
+            why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
+            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad))
+            for failed_id in self._discard_blocks(request_id, block_ids):
+                self._failed_requests.append((failed_id, why))
+
+    def _discard_blocks(self, request_id: str, block_ids: list[int]) -> list[str]:
+        """`block_ids` of the request hold no valid KV: they leave the prefix cache. Returns the
+        unfinished requests that read them (this one included)."""
+        table = self._block_manager.block_ids(request_id)
+        first = min((table.index(b) for b in block_ids if b in table), default=len(table))
+        bad = set(self._block_manager.uncache(request_id, first)) | set(block_ids)
+        failed = []
+        for other_id, request in self._requests.items():  # type: ignore[attr-defined]
+            if request.is_finished or bad.isdisjoint(self._block_manager.block_ids(other_id)):
+                continue
+            if other_id != request_id:
+                self._untrusted_sends.add(other_id)
+            failed.append(other_id)
+        return failed
+
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """Requests whose KV load failed within a plan, with why: the engine fails them."""
+        failed, self._failed_requests = self._failed_requests, []
+        return failed
 
     def _hold(self, request: Request) -> None:
         """A finished request's blocks stay until every stage reports its send."""
@@ -240,6 +294,7 @@ class KVTransferScheduling:
 
     def _forget_transfers(self, request_id: str) -> None:
         self._asked_again_since.pop(request_id, None)
+        self._sync_loads.pop(request_id, None)
         self._untrusted_sends.discard(request_id)
         if self._aggregator is not None:
             self._aggregator.forget(request_id)

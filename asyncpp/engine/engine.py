@@ -241,6 +241,11 @@ class EngineCore:
         self.scheduler.update_from_output(plan, {}, self.merge_kv_outputs(outputs))
         return self.scheduler.discard_failed_step(plan)
 
+    def take_failed_requests(self) -> list[tuple[str, str]]:
+        """(request, why) the scheduler found failed while applying outputs (a KV load within a
+        plan that failed): the caller fails each with that error."""
+        return self.scheduler.take_failed_requests()
+
     def process_output(self, plan: Any, outputs: list[ModelRunnerOutput]) -> list[RequestOutput]:
         """One step's outputs, one per stage (the last stage's holds the sampled tokens)."""
         output = outputs[-1]
@@ -406,6 +411,12 @@ class Engine(EngineCore):
         if self.balancer is not None:
             self.balancer.observe(plan, self.executor.busy_s)
         results = self.process_output(plan, executed.outputs)
+        if failed := self.take_failed_requests():  # a KV load within the step failed: what they
+            failed_ids = {request_id for request_id, _ in failed}  # sampled came from missing KV
+            results = [out for out in results if out.request_id not in failed_ids]
+            for request_id, why in failed:
+                out = self.abort(request_id, RequestStatus.FINISHED_ERROR, why)
+                results.append(out or RequestOutput(request_id, "", [], True, "error", error=why))
         self.log.debug(
             "step_completed",
             step_id=plan.step_id,
@@ -418,8 +429,8 @@ class Engine(EngineCore):
     def _fail_step(self, plan, outputs: list[ModelRunnerOutput], errors: list[str]) -> list[RequestOutput]:
         """A step some stage failed: its requests fail with the first error; the others go on."""
         self.log.error("step_failed", step_id=plan.step_id, errors=errors)
-        failed = self.process_failed_step(plan, outputs)
-        outs = (self.abort(request_id, RequestStatus.FINISHED_ERROR, errors[0]) for request_id in failed)
+        failed = [(request_id, errors[0]) for request_id in self.process_failed_step(plan, outputs)]
+        outs = (self.abort(rid, RequestStatus.FINISHED_ERROR, why) for rid, why in failed + self.take_failed_requests())
         return [out for out in outs if out is not None]
 
     def generate(

@@ -33,6 +33,8 @@ class BlockTransfer:
     remote_engine_id: str = ""
     remote_request_id: str = ""
     remote_block_ids: list[int] = field(default_factory=list)
+    # A load within this plan (offered synchronously): done on every stage before its forward.
+    is_sync: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from asyncpp.core.plan import StepPlan
 from asyncpp.core.prefill_share import num_prefill_tokens, prefill_share
+from asyncpp.core.request import RequestStatus
 from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.outputs import RequestOutput
@@ -261,8 +262,8 @@ class StepWindow:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
             failed = self.core.process_failed_step(step.plan, self._stage_outputs(step))
             self._log_completed(step)
-            for request_id in failed:
-                await self.fail(request_id, errors[0], "internal")
+            for request_id, why in [(r, errors[0]) for r in failed] + self.core.take_failed_requests():
+                await self.fail(request_id, why, "internal")
             self._wake.set()  # the window has room again
         else:
             # The scheduler is up to date once this returns, stop strings included (they finish
@@ -271,8 +272,16 @@ class StepWindow:
             if self.balancer is not None:
                 self.balancer.observe(step.plan, [step.outputs[rank].busy_s for rank in range(self.pp_size)])
             self._log_completed(step)  # before the next dispatch: the log shows the true window
+            failed = self.core.take_failed_requests()  # a KV load within the step failed
+            for request_id, why in failed:
+                self.core.abort(request_id, RequestStatus.FINISHED_ERROR, why)
+            if failed:  # what they sampled came from KV that never arrived
+                failed_ids = {request_id for request_id, _ in failed}
+                results = [out for out in results if out.request_id not in failed_ids]
             await self._dispatch()
             await self.deliver(results)
+            for request_id, why in failed:
+                await self.fail(request_id, why, "internal")
 
     def _stage_outputs(self, step: _InFlightStep) -> list:
         return [step.outputs[rank].output for rank in range(self.pp_size)]

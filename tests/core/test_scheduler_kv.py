@@ -37,6 +37,7 @@ class Connector(KVConnectorScheduler):
                                           load_timeout_s=5.0, save_timeout_s=7.0))
         self.offer_blocks, self.hold, self.ask_again = offer_blocks, hold, set(ask_again)
         self.offer_to_preempted_only = False
+        self.is_async = True  # False: loads within the plan (offered synchronously)
         self.unsent: list[BlockTransfer] = []
         self.outputs: list[KVConnectorOutput] = []
 
@@ -46,11 +47,13 @@ class Connector(KVConnectorScheduler):
         if self.offer_to_preempted_only and not request.num_preemptions:
             return 0, False
         num_blocks = min(self.offer_blocks, (request.num_tokens - 1) // BLOCK - num_computed_tokens // BLOCK)
-        return (num_blocks * BLOCK, True) if num_blocks > 0 else (0, False)
+        return (num_blocks * BLOCK, self.is_async) if num_blocks > 0 else (0, False)
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         if num_external_tokens:
-            self.unsent.append(BlockTransfer(request.request_id, block_ids[: num_external_tokens // BLOCK], []))
+            first = request.num_computed_tokens // BLOCK
+            blocks = block_ids[first : first + num_external_tokens // BLOCK]
+            self.unsent.append(BlockTransfer(request.request_id, blocks, [], is_sync=not self.is_async))
 
     def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
         loads, self.unsent = self.unsent, []
@@ -191,3 +194,43 @@ def test_a_failed_step_uncaches_its_blocks_and_fails_requests_that_hit_them():
     report(s, second)
     plan = s.schedule()
     assert plan.scheduled[0].start_position == 0  # no hit on the failed step's blocks
+
+
+def test_a_load_within_the_plan_is_computed_at_once():
+    clock, connector = Clock(), Connector(offer_blocks=2)
+    connector.is_async = False
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11))))
+    plan = s.schedule()
+    [load] = plan.kv_connector_metadata.loads
+    assert load.is_sync and len(load.block_ids) == 2 and s.num_waiting_for_remote_kvs == 0
+    # The same plan computes the tokens after the loaded ones.
+    assert plan.scheduled[0].start_position == 2 * BLOCK and plan.scheduled[0].num_tokens == 2
+    report(s, plan, {"a": [7]}, stage0=recv("a"), stage1=recv("a"))
+    assert s.take_failed_requests() == []
+    assert s.get_request("a").output_token_ids == [7] and s.stats().num_external_prefix_hit_tokens == 2 * BLOCK
+    assert not s.has_pending_transfers()
+
+
+def test_a_failed_load_within_the_plan_fails_its_request_and_whoever_hit_its_blocks():
+    clock, connector = Clock(), Connector(offer_blocks=2)
+    connector.is_async = False
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11)), max_tokens=4))
+    plan = s.schedule()
+    load = plan.kv_connector_metadata.loads[0]
+    connector.offer_blocks = 0
+    s.add_request(make_request("b", list(range(1, 11)), max_tokens=4))  # hits a's (not yet loaded) blocks
+    plan_b = s.schedule()
+    assert plan_b.scheduled[0].request_id == "b" and plan_b.scheduled[0].start_position == 2 * BLOCK
+    report(s, plan, {"a": [7]}, stage0=recv("a"), stage1=recv("a", invalid={load.block_ids[1]}))
+    failed = dict(s.take_failed_requests())
+    assert set(failed) == {"a", "b"} and "failed to load 1 of the 2 blocks" in failed["a"]
+    assert s.stats().num_failed_load_tokens == 2 * BLOCK and s.stats().num_external_prefix_hit_tokens == 0
+    # The bad blocks left the prefix cache: a new request computes its prompt.
+    for request_id in failed:
+        s.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+    report(s, plan_b, {"b": [5]})
+    s.add_request(make_request("c", list(range(1, 11))))
+    plan_c = s.schedule()
+    assert plan_c.scheduled[0].request_id == "c" and plan_c.scheduled[0].start_position == 0

@@ -51,6 +51,12 @@ class PDScheduler(KVConnectorScheduler):
         if ctx.kv_role not in ROLES:
             raise ConfigError(f"kv_transfer.kv_role must be 'producer' or 'consumer' for the pd connector, got {ctx.kv_role!r}")
         self.role = ctx.kv_role
+        pull = ctx.extra.get("pull", "sync")
+        if pull not in ("sync", "async"):
+            raise ConfigError(f"kv_transfer.options.pull must be 'sync' or 'async', got {pull!r}")
+        # sync: a request's pull and the computing of its last prompt tokens share one plan (a
+        # failed pull fails the request); async: it waits for the pull, then is scheduled.
+        self.is_pull_async = pull == "async"
         self.engine_id = ctx.engine_id
         self._params_key = secrets.token_bytes(32)
         self._stages: dict[tuple[int, int], KVHandshakeMetadata] = {}
@@ -120,7 +126,7 @@ class PDScheduler(KVConnectorScheduler):
         if prefill is None or request.num_preemptions:  # preempted: its pulled blocks are gone, compute
             return 0, False
         num_tokens = prefill.num_tokens - num_computed_tokens
-        return (num_tokens, True) if num_tokens > 0 else (0, False)
+        return (num_tokens, self.is_pull_async) if num_tokens > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         prefill = self._remote_prefill(request)
@@ -136,6 +142,7 @@ class PDScheduler(KVConnectorScheduler):
                 remote_engine_id=prefill.remote_engine_id,
                 remote_request_id=prefill.remote_request_id,
                 remote_block_ids=prefill.remote_block_ids[first : first + num_blocks],
+                is_sync=not self.is_pull_async,
             )
         )
         self._resolved.add(request.request_id)

@@ -125,7 +125,10 @@ class PDWorker(KVConnectorWorker):
             key = (handshake.engine_id, stage.pp_rank)
             if key in self._agents:  # the engine again (restarted): its agents may be new ones
                 self.transport.remove_remote(self._agents.pop(key))
-            self._agents[key] = self.transport.add_remote(stage.agent_metadata)
+            try:
+                self._agents[key] = self.transport.add_remote(stage.agent_metadata)
+            except Exception as e:  # noqa: BLE001 - unreachable now: pulls from it fail alone
+                self.log.warning("remote_agent_unreachable", engine_id=handshake.engine_id, remote_pp_rank=stage.pp_rank, error=repr(e))
         self.log.info("remote_engine_added", engine_id=handshake.engine_id, pp_size=handshake.pp_size)
 
     # ---- per step --------------------------------------------------------------------------
@@ -139,6 +142,21 @@ class PDWorker(KVConnectorWorker):
     def start_load_kv(self, step_id: int) -> None:
         for transfer in self.metadata.loads:
             self._start_pull(transfer)
+        for transfer in self.metadata.loads:
+            if transfer.is_sync:
+                self._wait_pull(transfer.request_id)
+
+    def _wait_pull(self, request_id: str) -> None:
+        """A pull within this plan: its blocks are read before the forward (on CPU a NIXL read of
+        host memory is done when posted; elsewhere poll it, up to `load_timeout_s`)."""
+        pull = self._pulls.get(request_id)
+        deadline = time.monotonic() + self.ctx.load_timeout_s
+        while pull is not None and any(self.transport.poll(h) is TransferState.RUNNING for h in pull.handles):
+            if time.monotonic() > deadline:
+                self.log.warning("kv_pull_timed_out", request_id=request_id, timeout_s=self.ctx.load_timeout_s)
+                self._end_pull(request_id, failed=True)
+                return
+            time.sleep(50e-6)
 
     def _start_pull(self, transfer: BlockTransfer) -> None:
         pull = _Pull(transfer)
