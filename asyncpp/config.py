@@ -24,6 +24,8 @@ _SOURCES = ("gguf", "hf", "random")
 _LINEAR_KERNELS = ("auto", "onednn")
 _CPU_ISAS = ("auto", *ISA_LEVELS)
 _WEIGHT_FORMATS = ("auto", "float", "native")
+_BACKENDS = ("local", "ray")
+_PLACEMENTS = ("spread", "pack")
 
 
 class ConfigError(ValueError):
@@ -109,9 +111,22 @@ class ParallelConfig:
     # with one shared KV cache. 0 = the fixed split; also 0, with a warning at start-up, on
     # GPU stages and with a KV connector (`EngineConfig.shift_layers`).
     shift_layers: int = 0
+    # Where the stages run: "local" (child processes of the launcher) or "ray" (one Ray actor
+    # per stage, placed by a placement group on a running Ray cluster: `asyncpp.runtime.ray_backend`).
+    backend: str = "local"
+    ray_address: str = "auto"  # ray.init(address=...): "auto", "ray://host:10001", "host:6379"
+    placement: str = "spread"  # "spread": stages on different nodes where possible; "pack": few nodes
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
+        if self.backend not in _BACKENDS:
+            raise ConfigError(f"parallel.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.placement not in _PLACEMENTS:
+            raise ConfigError(f"parallel.placement must be one of {_PLACEMENTS}, got {self.placement!r}")
+        if not self.ray_address:
+            raise ConfigError("parallel.ray_address must not be empty ('auto' finds the local cluster)")
+        if self.backend == "ray" and self.shift_layers:  # neighbours share a KV cache in shared memory
+            raise ConfigError("parallel.shift_layers must be 0 with parallel.backend = 'ray'")
         if self.devices and len(self.devices) != self.pp_size:
             raise ConfigError(f"parallel.devices has {len(self.devices)} entries but parallel.pp_size is {self.pp_size}")
         for d in self.devices:

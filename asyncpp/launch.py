@@ -40,9 +40,9 @@ from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.backends import create_stage_group
 from asyncpp.runtime.cpu_affinity import stage_cpu_lists, usable_cpu_ids
 from asyncpp.runtime.engine_server import EngineServer
-from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
@@ -154,7 +154,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     except Exception:
         shutil.rmtree(addresses.run_dir, ignore_errors=True)
         raise
-    stages = StageGroup(stage_args_for(config, plan, capacity, addresses, ns, kv_ctx), addresses)
+    stages = create_stage_group(stage_args_for(config, plan, capacity, addresses, ns, kv_ctx), addresses, config.parallel)
     shared_kv: list[SharedKVSegment] = []
     try:
         stages.start()

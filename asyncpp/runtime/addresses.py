@@ -12,6 +12,7 @@ from dataclasses import dataclass
 class RunAddresses:
     run_id: str
     run_dir: str
+    token: str | None = None  # local runs need none: the run dir is private (0700)
 
     @staticmethod
     def create() -> "RunAddresses":

@@ -161,13 +161,14 @@ class Stage:
         self.args = args
         self.log = log
         self.is_debug = is_debug_enabled(log)
-        self.plans = PullQueue(args.addresses.plan(args.pp_rank))
-        self.outputs = PushQueue(args.addresses.stage_outputs)
-        self.acts_in = PullQueue(args.addresses.activations(args.pp_rank), bind=True) if not args.is_first else None
-        self.acts_out = PushQueue(args.addresses.activations(args.pp_rank + 1)) if not args.is_last else None
+        addrs, token = args.addresses, args.addresses.token  # token: control channels across hosts
+        self.plans = PullQueue(addrs.plan(args.pp_rank), token=token)
+        self.outputs = PushQueue(addrs.stage_outputs, token=token)
+        self.acts_in = PullQueue(addrs.activations(args.pp_rank), bind=True, token=token) if not args.is_first else None
+        self.acts_out = PushQueue(addrs.activations(args.pp_rank + 1), token=token) if not args.is_last else None
         passes_tokens = args.async_scheduling and args.pp_size > 1
-        self.tokens_in = PullQueue(args.addresses.sampled_tokens, bind=True) if passes_tokens and args.is_first else None
-        self.tokens_out = PushQueue(args.addresses.sampled_tokens) if passes_tokens and args.is_last else None
+        self.tokens_in = PullQueue(addrs.sampled_tokens, bind=True, token=token) if passes_tokens and args.is_first else None
+        self.tokens_out = PushQueue(addrs.sampled_tokens, token=token) if passes_tokens and args.is_last else None
         self.last_tokens_step_id = -1  # first stage: the latest step whose sampled tokens are in
         self.threads = StepThreads(args.num_threads)
         self.receiver = None

@@ -2,6 +2,7 @@
 
 from asyncpp.device import is_cuda
 from asyncpp.transport import cuda_ipc as _cuda_ipc  # noqa: F401  (registers "cuda_ipc")
+from asyncpp.transport import nixl as _nixl  # noqa: F401  (registers "nixl")
 from asyncpp.transport import shm as _shm  # noqa: F401  (registers "shm")
 from asyncpp.transport.base import TRANSPORTS, ActivationError, ActivationNotice, RingSpec, get_transport
 

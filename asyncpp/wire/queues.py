@@ -14,14 +14,17 @@ from typing import Any
 import zmq
 
 from asyncpp.wire.codec import WireError, decode, encode
+from asyncpp.wire.token_auth import secure_socket
 from asyncpp.wire.loop_socket import LoopSocket
 
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
-def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool, token: str | None = None) -> zmq.Socket:
     sock = ctx.socket(kind)
+    if token is not None:  # a control channel across hosts: only the run's own peers (`token_auth`)
+        secure_socket(sock, token, bind, address)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
     if kind in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
@@ -36,9 +39,9 @@ def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket
 
 
 class PushQueue:
-    def __init__(self, address: str, bind: bool = False) -> None:
+    def __init__(self, address: str, bind: bool = False, token: str | None = None) -> None:
         self._ctx = zmq.Context.instance()
-        self._sock = _socket(self._ctx, zmq.PUSH, address, bind)
+        self._sock = _socket(self._ctx, zmq.PUSH, address, bind, token)
 
     def put(self, msg: Any) -> None:
         self._sock.send(encode(msg), copy=False)
@@ -48,9 +51,9 @@ class PushQueue:
 
 
 class PullQueue:
-    def __init__(self, address: str, bind: bool = False) -> None:
+    def __init__(self, address: str, bind: bool = False, token: str | None = None) -> None:
         self._ctx = zmq.Context.instance()
-        self._sock = _socket(self._ctx, zmq.PULL, address, bind)
+        self._sock = _socket(self._ctx, zmq.PULL, address, bind, token)
 
     def get(self, timeout_s: float | None = None) -> Any:
         """Next message; `TimeoutError` if none arrives within `timeout_s`."""
@@ -66,8 +69,8 @@ class PullQueue:
 
 
 class AsyncPushQueue:
-    def __init__(self, address: str, bind: bool = False) -> None:
-        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PUSH, address, bind))
+    def __init__(self, address: str, bind: bool = False, token: str | None = None) -> None:
+        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PUSH, address, bind, token))
 
     async def put(self, msg: Any) -> None:
         await self._io.send(encode(msg))
@@ -81,8 +84,8 @@ class AsyncPushQueue:
 
 
 class AsyncPullQueue:
-    def __init__(self, address: str, bind: bool = False) -> None:
-        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PULL, address, bind))
+    def __init__(self, address: str, bind: bool = False, token: str | None = None) -> None:
+        self._io = LoopSocket(_socket(zmq.Context.instance(), zmq.PULL, address, bind, token))
 
     async def get(self) -> Any:
         return decode(await self._io.recv())

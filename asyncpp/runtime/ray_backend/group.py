@@ -1,0 +1,200 @@
+"""`RayStageGroup`: the engine's `StageGroup` with one Ray actor per stage instead of a child process.
+
+Start-up (all before the first stage runs): connect to the cluster, reserve
+the placement group, start the actors in their bundles, learn each one's
+node and pick free ports there, then build the run's `TcpAddresses` (one
+token for every control connection) and choose each stage pair's transport:
+`nixl` when the two stages are on different nodes, the local one (shared
+memory, CUDA IPC) when they share one. `start` hands each actor its
+`StageArgs`; from then on the engine talks to the stages exactly as to local
+ones. A stage's `run` call ending, normally or not (the actor killed, its
+node gone), is a stage exit (`wait_for_death`). Whatever happens, `reap`
+kills the actors and removes the placement group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import time
+from multiprocessing import shared_memory
+
+from asyncpp.config import ConfigError, ParallelConfig
+from asyncpp.kernels.isa import torch_isa_env
+from asyncpp.logging import get_logger
+from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.ray_backend.actor import remote_stage_actor
+from asyncpp.runtime.ray_backend.addresses import TcpAddresses, free_ports, new_token, tcp
+from asyncpp.runtime.ray_backend.placement import Placement, connect, import_ray, reserve
+from asyncpp.runtime.stage_group import StageGroup, openmp_env
+from asyncpp.runtime.stage_process import StageArgs
+from asyncpp.transport import transport_for
+from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
+from asyncpp.wire.stage_msgs import Shutdown
+
+ACTOR_START_TIMEOUT_S = 120.0
+REMOTE_TRANSPORT = "nixl"
+
+
+@dataclasses.dataclass(frozen=True)
+class ActorStage:
+    """What the engine shows of a stage (`stats()["stage_pids"]`) and where it runs."""
+
+    pid: int
+    node_id: str
+    node_ip: str
+
+
+def stage_env(args: StageArgs, environ) -> dict[str, str]:
+    """The actor's environment: the ISA cap and OpenMP spin a local stage gets, and the launcher's UCX settings."""
+    env = (torch_isa_env(args.isa) if args.isa else {}) | openmp_env(args.device, environ)
+    return env | {k: v for k, v in environ.items() if k.startswith("UCX_")}
+
+
+def pair_transport(node_ids: list[str], devices: list[str], rank: int) -> str:
+    """The transport into stage `rank` (> 0): NIXL across nodes, the device's local one within a node."""
+    return REMOTE_TRANSPORT if node_ids[rank] != node_ids[rank - 1] else transport_for(devices[rank])
+
+
+class RayStageGroup(StageGroup):
+    def __init__(self, stage_args: list[StageArgs], addresses: RunAddresses, parallel: ParallelConfig) -> None:
+        # Not StageGroup.__init__: it spawns local processes. The attributes below are the same ones.
+        self.pp_size = len(stage_args)
+        self.readies = []
+        self.addresses = addresses
+        self.plan_queues, self.outputs, self.procs = [], None, []
+        self._log = get_logger(role="launch")
+        self._placement: Placement | None = None
+        self._actors: list = []
+        self._runs: list = []  # concurrent futures of the actors' `run` calls
+        self._ray = None
+        try:
+            self._place(stage_args, addresses, parallel)
+        except BaseException:
+            self.reap()
+            raise
+
+    def _place(self, stage_args: list[StageArgs], addresses: RunAddresses, parallel: ParallelConfig) -> None:
+        connect(parallel.ray_address)
+        ray = self._ray = import_ray()
+        devices = [a.device for a in stage_args]
+        self._placement = reserve(devices, parallel.num_threads, parallel.placement, f"asyncpp-{addresses.run_id}")
+        actor_cls = remote_stage_actor()
+        for rank, args in enumerate(stage_args):
+            bundle = self._placement.bundles[rank]
+            self._actors.append(
+                actor_cls.options(
+                    name=f"asyncpp-{addresses.run_id}-stage{rank}",
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0.0),
+                    scheduling_strategy=self._placement.strategy(rank),
+                    runtime_env={"env_vars": stage_env(args, os.environ)},
+                ).remote()
+            )
+        try:
+            wheres = ray.get([a.where.remote() for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+            ports = ray.get([a.free_ports.remote(1) for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - an actor that cannot start (runtime env, import) stops the run
+            raise ConfigError(f"parallel.backend = 'ray': the stage actors did not start: {e}") from e
+        self.procs = [ActorStage(pid, node_id, ip) for node_id, ip, pid in wheres]
+        engine_ip = ray.util.get_node_ip_address()
+        engine_ports = free_ports(engine_ip, self.pp_size + 1)
+        token = new_token()
+        node_ips = [s.node_ip for s in self.procs]
+        self.addresses = TcpAddresses(
+            run_id=addresses.run_id,
+            run_dir=addresses.run_dir,
+            token=token,
+            plan_addrs=tuple(tcp(engine_ip, p) for p in engine_ports[:-1]),
+            outputs_addr=tcp(engine_ip, engine_ports[-1]),
+            # Stage 0 receives no activations, only the sampled tokens: one port per stage.
+            activation_addrs=("", *(tcp(node_ips[r], ports[r][0]) for r in range(1, self.pp_size))),
+            sampled_addr=tcp(node_ips[0], ports[0][0]),
+        )
+        node_ids = [s.node_id for s in self.procs]
+        self.stage_args = [
+            dataclasses.replace(
+                args,
+                addresses=self.addresses,
+                cpus=(),  # the launcher's CPU ids mean nothing on another host
+                transport=pair_transport(node_ids, devices, rank) if rank > 0 else args.transport,
+            )
+            for rank, args in enumerate(stage_args)
+        ]
+        self.plan_queues = [AsyncPushQueue(self.addresses.plan(r), bind=True, token=token) for r in range(self.pp_size)]
+        self.outputs = AsyncPullQueue(self.addresses.stage_outputs, bind=True, token=token)
+        self._log.info(
+            "ray_stages_placed",
+            node_ids=[s.node_id for s in self.procs],
+            node_ips=node_ips,
+            plan_addrs=self.addresses.plan_addrs,
+            outputs_addr=self.addresses.stage_outputs,
+            activation_addrs=self.addresses.activation_addrs[1:],
+            transports=[a.transport for a in self.stage_args[1:]],
+            placement=parallel.placement,
+            engine_ip=engine_ip,
+        )
+
+    def start(self) -> None:
+        self._runs = [actor.run.remote(args).future() for actor, args in zip(self._actors, self.stage_args)]
+
+    def dead_stages(self) -> list[int]:
+        return [rank for rank, run in enumerate(self._runs) if run.done()]
+
+    async def wait_for_death(self) -> list[int]:
+        """Ranks of the ended stages, as soon as any `run` call ends (Ray completes its future)."""
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def on_exit(_run) -> None:
+            loop.call_soon_threadsafe(lambda: exited.done() or exited.set_result(None))
+
+        for run in self._runs:
+            run.add_done_callback(on_exit)
+        await exited
+        dead = self.dead_stages()
+        for rank in dead:
+            error = self._runs[rank].exception()
+            self._log.error("ray_stage_ended", pp_rank=rank, node_id=self.procs[rank].node_id[:12],
+                            error=f"{type(error).__name__}: {str(error)[:300]}" if error else None)  # fmt: skip
+        return dead
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        if self.dead_stages():  # the survivors may be blocked on the dead one: no drain
+            timeout_s = min(timeout_s, 0.5)
+        dead = set(self.dead_stages())
+        for rank, q in enumerate(self.plan_queues):
+            if rank in dead:
+                continue
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(q.put(Shutdown("engine stopping")), timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        while not all(run.done() for run in self._runs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        self.reap()
+
+    def reap(self) -> None:
+        """Kill every actor, remove the placement group, unlink rings left on this host, close our sockets."""
+        ray = self._ray
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        if self._placement is not None:
+            with contextlib.suppress(Exception):
+                self._placement.remove()
+            self._placement = None
+        for name in self.addresses.ring_names(self.pp_size):  # a killed stage on this host leaves its ring
+            with contextlib.suppress(FileNotFoundError):
+                seg = shared_memory.SharedMemory(name=name)
+                seg.close()
+                seg.unlink()
+        for q in [*self.plan_queues, self.outputs]:
+            if q is not None:
+                q.close()
+        self.plan_queues, self.outputs = [], None
+        shutil.rmtree(self.addresses.run_dir, ignore_errors=True)
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
