@@ -314,6 +314,8 @@ class Scheduler(KVTransferScheduling):
                 if not request.is_in_flight and not self._holds_blocks(request):
                     self._forget(request)
                 continue
+            if self.connector is not None and self._take_recompute(request):
+                continue  # it read KV a load within a plan failed to bring: computed again
             if not scheduled.do_sample:  # a prompt chunk: nothing to report
                 continue
             if not sampled_token_ids.get(scheduled.request_id):

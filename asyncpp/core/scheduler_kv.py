@@ -69,6 +69,7 @@ class KVTransferScheduling:
         # carrying the load, the blocks it fills), until that plan's output is back.
         self._sync_loads: dict[str, tuple[int, list[int]]] = {}
         self._failed_requests: list[tuple[str, str]] = []  # (request, why) for the engine to fail
+        self._recompute_ids: set[str] = set()  # read KV a load within a plan failed to bring
         self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
         self.num_failed_load_tokens = 0  # promised by the connector, failed to load, recomputed
         self.num_timed_out_transfers = 0
@@ -102,12 +103,17 @@ class KVTransferScheduling:
     def merge_kv_outputs(self, outputs: Sequence[KVConnectorOutput | None]) -> KVConnectorOutput:
         """One step's connector reports, `outputs[pp_rank]`, merged: a transfer ends when every stage
         reported it. Only transfers this scheduler waits for count."""
-        merged = self._aggregator.aggregate(outputs, self._held.__contains__, self._waiting_for_remote.__contains__)
+        merged = self._aggregator.aggregate(outputs, self._held.__contains__, self._is_loading)
         untrusted = merged.finished_sending & self._untrusted_sends
         if untrusted:
             self._untrusted_sends -= untrusted
             merged = dataclasses.replace(merged, failed_sending=merged.failed_sending | untrusted)
         return merged
+
+    def _is_loading(self, request_id: str) -> bool:
+        """Waited for by the scheduler: an async load, or a load within a plan not back yet (its
+        report tells the connector the load has ended)."""
+        return request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _holds_blocks(self, request: Request) -> bool:
         return request.request_id in self._held or request.request_id in self._waiting_for_remote
@@ -182,10 +188,26 @@ class KVTransferScheduling:
                 continue
             self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
             self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
-            why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
-            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad))
-            for failed_id in self._discard_blocks(request_id, block_ids):
-                self._failed_requests.append((failed_id, why))
+            policy = self.connector.load_failure_policy
+            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad), policy=policy)
+            affected = self._discard_blocks(request_id, block_ids)
+            if policy == "fail":
+                why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
+                self._failed_requests.extend((affected_id, why) for affected_id in affected)
+            else:  # recomputed from scratch once no plan computing it is in flight
+                self._recompute_ids.update(affected)
+                self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
+
+    def _take_recompute(self, request: Request) -> bool:
+        """The request read KV that never arrived (a failed load within a plan): drop what this
+        plan computed for it and, once no plan of it is in flight, compute it again from scratch."""
+        if request.request_id not in self._recompute_ids:
+            return False
+        if not request.is_in_flight:
+            self._recompute_ids.discard(request.request_id)
+            request.num_placeholders = 0
+            self._preempt(request)  # type: ignore[attr-defined]
+        return True
 
     def _discard_blocks(self, request_id: str, block_ids: list[int]) -> list[str]:
         """`block_ids` of the request hold no valid KV: they leave the prefix cache. Returns the
@@ -295,6 +317,7 @@ class KVTransferScheduling:
     def _forget_transfers(self, request_id: str) -> None:
         self._asked_again_since.pop(request_id, None)
         self._sync_loads.pop(request_id, None)
+        self._recompute_ids.discard(request_id)
         self._untrusted_sends.discard(request_id)
         if self._aggregator is not None:
             self._aggregator.forget(request_id)

@@ -159,6 +159,10 @@ class KVConnectorScheduler(ABC):
         """(keep the blocks until every stage reports `finished_sending`, params for a remote engine)."""
         return False, None
 
+    # A load within a plan (offered with load_async False) that fails: "recompute" the requests that
+    # read its blocks from scratch, or "fail" them with an error.
+    load_failure_policy = "recompute"
+
     @property
     def send_timeout_s(self) -> float:
         """How long a finished request's blocks may stay held for its sends (`request_finished`)."""

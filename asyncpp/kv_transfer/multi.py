@@ -89,6 +89,11 @@ class MultiScheduler(KVConnectorScheduler):
             self._unsent_holders[request.request_id] = holders
         return bool(holders), params or None
 
+    @property
+    def load_failure_policy(self) -> str:  # type: ignore[override]
+        """"fail" if any child fails its requests on a failed load within a plan."""
+        return "fail" if any(child.load_failure_policy == "fail" for child in self.children) else "recompute"
+
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> None:
         """Every child gets every stage's handshake (one that is not PP-aware refuses pp_rank > 0)."""
         for child in self.children:

@@ -214,7 +214,7 @@ def test_a_load_within_the_plan_is_computed_at_once():
 
 def test_a_failed_load_within_the_plan_fails_its_request_and_whoever_hit_its_blocks():
     clock, connector = Clock(), Connector(offer_blocks=2)
-    connector.is_async = False
+    connector.is_async, connector.load_failure_policy = False, "fail"
     s = scheduler(connector, clock)
     s.add_request(make_request("a", list(range(1, 11)), max_tokens=4))
     plan = s.schedule()
@@ -234,3 +234,20 @@ def test_a_failed_load_within_the_plan_fails_its_request_and_whoever_hit_its_blo
     s.add_request(make_request("c", list(range(1, 11))))
     plan_c = s.schedule()
     assert plan_c.scheduled[0].request_id == "c" and plan_c.scheduled[0].start_position == 0
+
+
+def test_a_failed_load_within_the_plan_is_recomputed_from_scratch():
+    clock, connector = Clock(), Connector(offer_blocks=2)
+    connector.is_async = False  # the default policy: recompute
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11)), max_tokens=4))
+    plan = s.schedule()
+    load = plan.kv_connector_metadata.loads[0]
+    connector.offer_blocks = 0
+    report(s, plan, {"a": [7]}, stage0=recv("a", invalid={load.block_ids[0]}), stage1=recv("a"))
+    assert s.take_failed_requests() == []
+    request = s.get_request("a")
+    assert request.output_token_ids == [] and request.status is RequestStatus.PREEMPTED  # 7 came from missing KV
+    plan = s.schedule()
+    assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 10  # all of it again
+    assert plan.preempted_req_ids == ["a"] and s.stats().num_external_prefix_hit_tokens == 0

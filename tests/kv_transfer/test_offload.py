@@ -58,9 +58,11 @@ def store_counts(e: Engine) -> dict:
     return {k: s[k] for k in ("kv_store_pending_blocks", "kv_store_pinned_blocks")}
 
 
+@pytest.mark.parametrize("load", ["async", "sync"])
 @pytest.mark.parametrize("pp_size", [1, 2, 3])
-def test_evicted_prefix_loads_from_the_store(tiny_hf_dir, expected, pp_size):
-    e = engine(tiny_hf_dir, pp_size)
+def test_evicted_prefix_loads_from_the_store(tiny_hf_dir, expected, pp_size, load):
+    """async: the request waits for its load; sync: the load and the suffix share one plan."""
+    e = engine(tiny_hf_dir, pp_size, options={"load": load})
     first_then_flush(e)
     before = e.scheduler.stats()
     assert run(e, LATER) == expected
@@ -158,8 +160,10 @@ def test_abort_during_load_and_during_save_frees_everything(tiny_hf_dir):
     e.close()
 
 
-def test_a_load_that_raises_is_recomputed(tiny_hf_dir, expected):
-    e = engine(tiny_hf_dir, 3)
+@pytest.mark.parametrize("load", ["async", "sync"])
+def test_a_load_that_raises_is_recomputed(tiny_hf_dir, expected, load):
+    """sync: the plan that read the missing KV is dropped and the request computed again."""
+    e = engine(tiny_hf_dir, 3, options={"load": load})
     first_then_flush(e)
     worker = e.executor.runners[1].kv_connector.connector
 
@@ -211,9 +215,11 @@ def test_multi_connector_saves_to_both_and_waits_for_both(tiny_hf_dir, expected,
     e.close()
 
 
-def test_requests_sharing_a_stored_prefix_load_it_once(tiny_hf_dir, expected):
-    """The second waits for the first's load, then hits the engine's own cache: no second copy."""
-    e = engine(tiny_hf_dir, 2)
+@pytest.mark.parametrize("load", ["async", "sync"])
+def test_requests_sharing_a_stored_prefix_load_it_once(tiny_hf_dir, expected, load):
+    """The second waits for the first's load (sync: not even that, it hits the blocks the first
+    loads within the same plan), then hits the engine's own cache: no second copy."""
+    e = engine(tiny_hf_dir, 2, options={"load": load})
     first_then_flush(e)
     before = e.scheduler.stats()
     outs = e.generate([LATER, LATER], GREEDY)

@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 class OffloadScheduler(KVConnectorScheduler):
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
+        load = ctx.extra.get("load", "async")
+        if load not in ("async", "sync"):
+            raise ConfigError(f"kv_transfer.options.load must be 'async' or 'sync', got {load!r}")
+        # sync: a hit is loaded within the plan that computes the rest of the prompt (a failed block
+        # makes the requests that read it start again); async: the request waits for its load.
+        self.is_load_async = load == "async"
         self.layouts = stage_layouts(ctx)
         self.index = OffloadIndex(self.layouts[0].num_slots)
         self.log = get_logger(role="engine", connector="offload")
@@ -59,7 +65,7 @@ class OffloadScheduler(KVConnectorScheduler):
             # hits it there, instead of loading (and holding) the same blocks a second time.
             return None, False
         num_blocks = self.index.lookup(hashes[first:])
-        return num_blocks * self.ctx.block_size, num_blocks > 0
+        return num_blocks * self.ctx.block_size, num_blocks > 0 and self.is_load_async
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
@@ -68,7 +74,9 @@ class OffloadScheduler(KVConnectorScheduler):
         first = request.num_computed_tokens // bs
         last = first + num_external_tokens // bs
         hashes = self._hashes_of(request)[first:last]
-        load = BlockTransfer(request.request_id, block_ids[first:last], hashes, self.index.pin(hashes))
+        load = BlockTransfer(
+            request.request_id, block_ids[first:last], hashes, self.index.pin(hashes), is_sync=not self.is_load_async
+        )
         self._loads[request.request_id] = load
         for block_hash in hashes:
             self._loading[block_hash] = self._loading.get(block_hash, 0) + 1

@@ -140,6 +140,17 @@ class OffloadWorker(KVConnectorWorker):
             job = _Job([load], step_id)
             job.future = self._thread.submit(self._load, job)
             self._loads[load.request_id] = job
+        for load in self.metadata.loads:
+            if load.is_sync:  # within this plan: in the cache before the forward reads it
+                self._wait_load(load)
+
+    def _wait_load(self, load: BlockTransfer) -> None:
+        job = self._loads[load.request_id]
+        _, running = wait([job.future], timeout=self.ctx.load_timeout_s)
+        if running:  # past its deadline: it never touches the cache again, its blocks are recomputed
+            self.log.warning("kv_load_timed_out", request_id=load.request_id, timeout_s=self.ctx.load_timeout_s)
+            job.cancel()
+            self._failed_block_ids.update(load.block_ids)
 
     def save_kv(self, step_id: int) -> None:
         if not self.metadata.saves:
@@ -174,10 +185,11 @@ class OffloadWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
         finished_recving = set()
         for request_id, job in list(self._loads.items()):
-            if job.future.done():
+            if job.future.done() or (job.is_cancelled and job.transfers[0].is_sync):
                 del self._loads[request_id]
                 finished_recving.add(request_id)
-                self._collect_load(job)
+                if job.future.done():  # a sync load past its deadline counted its blocks failed
+                    self._collect_load(job)
         if self._save_jobs:
             for job in [j for j in self._save_jobs if j.future.done()]:
                 self._save_jobs.remove(job)

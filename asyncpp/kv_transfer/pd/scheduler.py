@@ -46,6 +46,7 @@ ROLES = ("producer", "consumer")
 
 
 class PDScheduler(KVConnectorScheduler):
+    load_failure_policy = "fail"  # a pull that fails (the producer is gone) fails its request
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         if ctx.kv_role not in ROLES:
