@@ -155,11 +155,34 @@ def test_spare_cpus_subtract_what_others_take(monkeypatch):
 
 
 def test_spare_cpus_read_this_machine():
+    """The /proc reading itself, against independent sources: our CPU time from `os.times`, the
+    CPUs' busy time from psutil, each read just before and just after it (the counters only grow)."""
     import os
 
+    psutil = pytest.importorskip("psutil")
+
+    def busy_s(cpu_ids) -> float:
+        per_cpu = psutil.cpu_times(percpu=True)
+        return sum(
+            t.user + t.nice + t.system + t.irq + t.softirq + t.steal for i, t in enumerate(per_cpu) if i in cpu_ids
+        )
+
+    def ours_s() -> float:
+        t = os.times()
+        return t.user + t.system
+
     spare = SpareCpus([os.getpid()], interval_s=0.0)
-    time.sleep(0.05)
-    assert 0.0 <= spare.refresh(time.monotonic()) <= len(spare.cpu_ids)
+    cpu_ids = set(spare.cpu_ids)
+    assert cpu_ids == os.sched_getaffinity(0)
+    tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+    sum(i * i for i in range(300_000))  # some CPU time of our own, user and system
+    busy_before, ours_before = busy_s(cpu_ids), ours_s()
+    _, busy, ours = spare._read()
+    busy_after, ours_after = busy_s(cpu_ids), ours_s()
+    assert ours_before > 0.0 and ours_before - tick_s <= ours <= ours_after + tick_s
+    assert busy_before - tick_s <= busy <= busy_after + tick_s
+    assert spare.refresh(time.monotonic()) <= len(cpu_ids)
+    assert SpareCpus([os.getpid(), 2**22 + 1], interval_s=0.0)._read()[2] >= ours  # a gone pid counts 0
 
 
 def test_openmp_env_keeps_what_the_user_chose():
