@@ -41,12 +41,15 @@ class LaunchedEngine:
 
 
 @contextlib.contextmanager
-def launched(tmp_path: Path, sections: dict, *extra_args: str, ready_timeout_s: float = 180.0) -> Iterator[LaunchedEngine]:
+def launched(
+    tmp_path: Path, sections: dict, *extra_args: str, ready_timeout_s: float = 180.0, module: str = "asyncpp.launch"
+) -> Iterator[LaunchedEngine]:
+    """`python -m module` (the launcher, or a test's wrapper of it) on `sections`; SIGTERM at the end."""
     config = tmp_path / "engine.toml"
     config.write_text(to_toml(sections))
     log_file = tmp_path / "engine.jsonl"
     cmd = [
-        sys.executable, "-m", "asyncpp.launch", "--config", str(config),
+        sys.executable, "-m", module, "--config", str(config),
         "--log-file", str(log_file), "--log-level", "debug", *extra_args,
     ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
