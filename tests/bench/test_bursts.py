@@ -55,10 +55,10 @@ async def test_a_burst_starts_after_the_previous_one_finished_and_the_gap():
     assert [r.burst for r in records] == [0, 0, 0, 1, 1, 1, 2]
     assert len(done) == 7 and engine.max_in_flight == 3
     bursts = [[engine.spans[f"r{i}"] for i in indices] for indices in burst_ranges(7, 3)]
-    for earlier, later in zip(bursts, bursts[1:]):
+    for earlier, later in zip(bursts, bursts[1:]):  # sleeps never end early: a lower bound only
         assert min(start for start, _ in later) >= max(end for _, end in earlier) + gap_s * 0.9
-    starts = [start for start, _ in bursts[0]]
-    assert max(starts) - min(starts) < SERVICE_S  # all of a burst at once
+    for burst in bursts:  # all of a burst at once: each starts before any of them ends (no time limit)
+        assert max(start for start, _ in burst) < min(end for _, end in burst)
 
 
 async def test_concurrency_limit_applies_inside_a_burst():
