@@ -37,8 +37,7 @@ def invalid(request_id: str, error_field: str, message: str) -> ErrorReply:
 def error_reply(request_id: str, error: Exception, engine_name: str) -> ErrorReply:
     """The `ErrorReply` an engine sent, back from the exception `AsyncClient` raised for it."""
     if isinstance(error, InvalidRequestError):
-        text, prefix = str(error), f"{error.field}: "
-        message = text.removeprefix(prefix)
+        message, prefix = error.message, f"{error.field}: "  # the engine's message, as it was sent
         if error.field == "kv_transfer_params":  # the router's params, not the client's: not its fault
             why = message.removeprefix(prefix)  # the engine's own message names the field too
             return ErrorReply(request_id, f"{engine_name} refused the router's kv_transfer_params: {why}", "internal")

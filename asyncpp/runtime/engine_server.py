@@ -142,17 +142,20 @@ class EngineServer:
         try:
             try:
                 params = SamplingParams.from_dict(msg.sampling_params)
+            except InvalidRequestError:
+                raise
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError("sampling_params", str(e)) from e
             if isinstance(msg.prompt, str) and len(msg.prompt) > OFF_LOOP_TOKENIZE_CHARS:
-                # Tokenizing a huge prompt must not stall every other request.
+                # Tokenizing a huge prompt must not stall every other request (one that cannot
+                # fit max_model_len is refused by its length alone, before tokenizing).
                 loop = asyncio.get_running_loop()
-                prompt_ids = await loop.run_in_executor(None, self.core.tokenizer.encode, msg.prompt)
+                prompt_ids = await loop.run_in_executor(None, self.core.input_processor.tokenize, msg.prompt)
                 self.core.add_request(prompt_ids, params, msg.request_id, msg.kv_transfer_params)
             else:
                 self.core.add_request(msg.prompt, params, msg.request_id, msg.kv_transfer_params)
         except InvalidRequestError as e:
-            raise RequestRefused(str(e), "invalid_request", e.field) from e
+            raise RequestRefused(e.message, "invalid_request", e.field) from e
         self.window.wake()
 
     def abort(self, request_id: str) -> None:

@@ -2,7 +2,8 @@
 
 Names and defaults follow vLLM so users can carry their habits over:
 `temperature == 0` means greedy; `top_k` of 0 or -1 disables top-k.
-`validate` raises `ValueError` naming the offending field and never mutates.
+`validate` raises `InvalidRequestError` (a `ValueError`) whose `field` is the
+offending parameter and whose message starts with its name; it never mutates.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from asyncpp.errors import InvalidRequestError
+
 _GREEDY_EPS = 1e-5
+# Seen logits are divided or multiplied by the penalty in float32: within this range they stay finite.
+_REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 
 
 @dataclass(frozen=True)
@@ -35,10 +40,15 @@ class SamplingParams:
         # Accept lists from callers / the wire, store tuples (hashable, immutable).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        elif not isinstance(self.stop, tuple):
+        elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.stop_token_ids, tuple):
+        elif not isinstance(self.stop, tuple):
+            raise InvalidRequestError("stop", f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+        if isinstance(self.stop_token_ids, list):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        elif not isinstance(self.stop_token_ids, tuple):
+            kind = type(self.stop_token_ids).__name__
+            raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {kind}")
 
     @property
     def is_greedy(self) -> bool:
@@ -53,47 +63,48 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise `ValueError` naming the first bad field."""
+        """Raise `InvalidRequestError` naming the first bad field."""
         _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise _bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise _bad("temperature", f"must be >= 0, got {self.temperature}")
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or >= 1, got {self.top_k}")
+            raise _bad("top_k", f"must be -1, 0 (disabled) or >= 1, got {self.top_k}")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p}")
         _check_number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < 2**63:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+                raise _bad("seed", f"must be in [0, 2**63), got {self.seed}")
         _check_number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = _REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise _bad("repetition_penalty", f"must be in [{low:g}, {high:g}], got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+                raise _bad(name, f"must be in [-2, 2], got {value}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a list of non-empty strings, got {s!r}")
+                raise _bad("stop", f"must be a list of non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t)
             if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {vocab_size})")
+                raise _bad("stop_token_ids", f"entry {t} is outside the vocabulary [0, {vocab_size})")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+            raise _bad("ignore_eos", f"must be a bool, got {type(self.ignore_eos).__name__}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= 20:
-                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+                raise _bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -113,11 +124,16 @@ class SamplingParams:
         return cls(**data)
 
 
+def _bad(name: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(name, f"{name} {why}")
+
+
 def _check_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+        raise _bad(name, f"must be an integer, got {type(value).__name__}")
 
 
 def _check_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    # Infinity passes every range check below and turns the sampler's arithmetic into NaN.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"must be a finite number, got {value!r}")
