@@ -6,7 +6,9 @@
 
 Many `generate` calls can run concurrently over one client: a single reader
 task routes replies by request id. Breaking out of the loop, or cancelling the
-task, aborts the request in the engine.
+task, aborts the request in the engine, and so does `end_all`. A request whose
+frame would be over `max_frame_bytes` (the engine's `server.max_frame_bytes`)
+is refused here, naming its largest field, instead of being sent.
 """
 
 from __future__ import annotations
@@ -36,24 +38,31 @@ from asyncpp.wire.client_msgs import (
     StatsReply,
     StatsRequest,
 )
-from asyncpp.wire.queues import DealerQueue
+from asyncpp.wire.codec import packed_size
+from asyncpp.wire.queues import DealerQueue, FrameTooLargeError
 
 _REPLIES = (HealthReply, StatsReply, KVHandshakeReply, AddRemoteEngineReply)  # matched to calls by nonce
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed a request for a reason other than bad input."""
+    """The engine failed a request for a reason other than bad input; `kind` says which
+    (`internal`, `shutdown`, ... as in `ErrorReply`)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind, self.message = kind, message
 
 
 class AsyncClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_frame_bytes: int | None = None) -> None:
         self.address = address
-        self._queue = DealerQueue(address)
+        self._queue = DealerQueue(address, max_frame_bytes)
         self._streams: dict[str, _Stream] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self._reader: asyncio.Task | None = None
-        self.unrouted_errors: list[ErrorReply] = []  # errors about frames, not requests
+        # Errors about frames that named no request (the latest few).
+        self.unrouted_errors: collections.deque[ErrorReply] = collections.deque(maxlen=64)
 
     def _ensure_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -99,9 +108,20 @@ class AsyncClient:
         self._streams[request_id] = stream
         finished = False
         try:
-            await self._queue.put(GenerateRequest(request_id, prompt, params, kv_transfer_params))
+            msg = GenerateRequest(request_id, prompt, params, kv_transfer_params)
+            try:
+                await self._queue.put(msg)
+            except FrameTooLargeError as e:
+                finished = True  # never sent
+                field = _largest_field(msg)
+                raise InvalidRequestError(field, f"the request is too large to send: {e}, most of it {field}") from e
+            except (TypeError, ValueError, OverflowError) as e:  # msgpack cannot take a value (2**70, "\ud800")
+                finished = True
+                raise InvalidRequestError(_unpackable_field(msg), f"cannot be sent: {e}") from e
             while True:
                 msg = await stream.get()
+                if isinstance(msg, _Ended):  # `end_all`: finished stays False, so the engine hears of it
+                    raise RequestFailedError(msg.kind, msg.message)
                 if isinstance(msg, ErrorReply):
                     finished = True
                     raise _error_from(msg)
@@ -119,6 +139,12 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         await self._queue.put(AbortRequest(request_id))
+
+    def end_all(self, message: str, kind: str = "shutdown") -> None:
+        """End every open `generate` with `RequestFailedError(kind, message)`, aborting its request
+        in the engine (a server shutting down tells its own clients why)."""
+        for stream in self._streams.values():
+            stream.put(_Ended(kind, message))
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         reply = await self._call(HealthRequest, timeout_s)
@@ -156,6 +182,15 @@ class AsyncClient:
         self._queue.close()
 
 
+class _Ended:
+    """Put into a stream by `end_all`, never sent by an engine."""
+
+    __slots__ = ("kind", "message")
+
+    def __init__(self, kind: str, message: str) -> None:
+        self.kind, self.message = kind, message
+
+
 class _Stream:
     """One request's replies, in order, for its one reader: a deque and a future, lighter than
     `asyncio.Queue` (the reader is woken once per token, so this is on the client's hot path)."""
@@ -163,15 +198,15 @@ class _Stream:
     __slots__ = ("_items", "_waiter")
 
     def __init__(self) -> None:
-        self._items: collections.deque[RequestDelta | ErrorReply] = collections.deque()
+        self._items: collections.deque[RequestDelta | ErrorReply | _Ended] = collections.deque()
         self._waiter: asyncio.Future | None = None
 
-    def put(self, msg: RequestDelta | ErrorReply) -> None:
+    def put(self, msg: RequestDelta | ErrorReply | _Ended) -> None:
         self._items.append(msg)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def get(self) -> RequestDelta | ErrorReply:
+    async def get(self) -> RequestDelta | ErrorReply | _Ended:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
@@ -179,8 +214,30 @@ class _Stream:
 
 
 def _error_from(msg: ErrorReply) -> Exception:
-    if msg.kind == "invalid_request":
+    # A frame the engine could not read is the request's own fault, like a bad value.
+    if msg.kind in ("invalid_request", "bad_frame"):
         return InvalidRequestError(msg.field or "request", msg.message)
     if msg.kind == "engine_dead":
         return EngineDeadError(msg.message)
-    return RequestFailedError(f"{msg.kind}: {msg.message}")
+    return RequestFailedError(msg.kind, msg.message)
+
+
+def _fields(msg: GenerateRequest) -> dict[str, Any]:
+    """A request's parts by the names a caller knows them: sampling parameters by their own."""
+    return {"prompt": msg.prompt, "kv_transfer_params": msg.kv_transfer_params, **msg.sampling_params}
+
+
+def _largest_field(msg: GenerateRequest) -> str:
+    """The part that takes the most of the request's frame."""
+    sizes = {name: packed_size(value) for name, value in _fields(msg).items()}
+    return max(sizes, key=sizes.__getitem__)
+
+
+def _unpackable_field(msg: GenerateRequest) -> str:
+    """The first part the codec cannot pack."""
+    for name, value in _fields(msg).items():
+        try:
+            packed_size(value)
+        except (TypeError, ValueError, OverflowError):
+            return name
+    return "request"

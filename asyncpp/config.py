@@ -193,10 +193,18 @@ class ServerConfig:
     http_host: str = "127.0.0.1"
     api_key: str = ""  # clients send "Authorization: Bearer <api_key>"; "" = no key
     served_model_name: str = ""  # "" = named after the model file
+    metrics_require_key: bool = False  # the key guards everything but /health, and /metrics too if set
+    # HTTP requests admitted beyond scheduler.max_num_seqs at once; more get 503 + Retry-After.
+    max_queued_requests: int = 1024
+    # The largest client frame the engine reads; clients refuse to send a larger one.
+    max_frame_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"server.http_port must be in 0..65535 (0 = no HTTP server), got {self.http_port}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"server.max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        _positive("server.max_frame_bytes", self.max_frame_bytes)
         if self.http_port and not self.api_key and not is_loopback(self.http_host):
             raise ConfigError(
                 f"server.http_host {self.http_host!r} is not loopback: set server.api_key (or --api-key) "

@@ -52,7 +52,6 @@ from asyncpp.wire.queues import RouterQueue
 from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import decode_graph_sizes
 
-MAX_FRAME_BYTES = 8 * 1024 * 1024
 STAGE_READY_TIMEOUT_S = 600.0
 
 
@@ -173,7 +172,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             set_stage_handshakes(kv_connector, handshakes)
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port
-        router = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
+        router = RouterQueue(f"tcp://{config.server.host}:{port}", config.server.max_frame_bytes)
         server = EngineServer(
             core,
             stages,

@@ -1,11 +1,12 @@
 """`ClientPort`: the engine process's client side, one asyncio task over the ROUTER socket.
 
 It decodes client frames (a bad frame gets an `ErrorReply` naming what is
-wrong), hands a `GenerateRequest` to the engine's `RequestSink` and remembers
-which client (peer) each accepted request belongs to, routes aborts only from
-the request's own client, answers request/reply messages (health, stats, and
-whatever else the engine registers in `replies`) and sends each client one
-`RequestDeltas` frame per step with all of its deltas. A client that is gone
+wrong, and the request it was when its head says so, unless that is one the
+client already has running), hands a `GenerateRequest` to the engine's
+`RequestSink` and remembers which client (peer) each accepted request belongs
+to, routes aborts only from the request's own client, answers request/reply
+messages (health, stats, and whatever else the engine registers in `replies`)
+and sends each client one `RequestDeltas` frame per step with all of its deltas. A client that is gone
 (`PeerGoneError`) has its requests aborted. One client's message never ends
 the loop serving all.
 """
@@ -71,8 +72,11 @@ class ClientPort:
 
     async def _handle(self, peer: bytes, msg: Any) -> None:
         if isinstance(msg, WireError):
-            self.log.warning("bad_frame", peer=peer.hex(), error=str(msg))
-            await self.router.put(peer, ErrorReply(None, str(msg), "bad_frame"))
+            request_id = msg.request_id if msg.tag == GenerateRequest.WIRE_TAG else None
+            if request_id is not None and self.peer_of.get(request_id) == peer:
+                request_id = None  # the client would take it for the end of its running request
+            self.log.warning("bad_frame", peer=peer.hex(), request_id=request_id, error=str(msg))
+            await self.router.put(peer, ErrorReply(request_id, str(msg), "bad_frame"))
         elif isinstance(msg, GenerateRequest):
             try:
                 await self.sink.add_request(msg)

@@ -17,6 +17,7 @@ sorted, so equal messages always make equal frames.
 from __future__ import annotations
 
 import dataclasses
+import io
 import types
 import typing
 from typing import Any
@@ -27,7 +28,13 @@ from asyncpp.wire.compiled import Mismatch, canonical_order, decoder_for, encode
 
 
 class WireError(ValueError):
-    """A frame that does not decode into a known, well-typed message."""
+    """A frame that does not decode into a known, well-typed message.
+
+    `tag` and `request_id` are what the frame's head still says (None where it does
+    not): a frame too big or too broken to decode may still name the request it was."""
+
+    tag: str | None = None
+    request_id: str | None = None
 
 
 _REGISTRY: dict[str, type] = {}
@@ -58,6 +65,41 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int | None = None) -> Any:
+    try:
+        return _decode(frame, max_bytes)
+    except WireError as e:
+        e.tag, e.request_id = _peek_head(frame)
+        raise
+
+
+def packed_size(value: Any) -> int:
+    """Bytes `value` (a message, or any field of one) takes in a frame."""
+    return len(_pack(_to_plain(value)))
+
+
+def _peek_head(frame: bytes, max_fields: int = 8) -> tuple[str | None, str | None]:
+    """(tag, request_id) from the start of a frame, reading no further than the request id:
+    encoders write fields in declaration order, so it comes before a prompt of any size."""
+    tag = request_id = None
+    try:
+        unpacker = msgpack.Unpacker(io.BytesIO(frame), raw=False)
+        if unpacker.read_array_header() != 2:
+            return None, None
+        tag = unpacker.unpack()
+        if not isinstance(tag, str):
+            return None, None
+        for _ in range(min(unpacker.read_map_header(), max_fields)):
+            if unpacker.unpack() == "request_id":
+                value = unpacker.unpack()
+                request_id = value if isinstance(value, str) else None
+                break
+            unpacker.skip()
+    except Exception:  # noqa: BLE001 - whatever msgpack raises: the head says no more
+        pass
+    return tag, request_id
+
+
+def _decode(frame: bytes, max_bytes: int | None) -> Any:
     if max_bytes is not None and len(frame) > max_bytes:
         raise WireError(f"frame of {len(frame)} bytes is over the {max_bytes}-byte limit")
     try:

@@ -4,7 +4,9 @@ Stages use the blocking `PushQueue` / `PullQueue`; the engine and clients use
 the asyncio variants, which drive plain sockets through `LoopSocket`. Every
 frame is encoded by `asyncpp.wire.codec`. `RouterQueue` (engine, one socket
 for all clients) hands back the peer id with each message or the `WireError`
-that frame raised, so one bad client never disturbs the others.
+that frame raised, so one bad client never disturbs the others. `DealerQueue`
+(client) refuses to send a frame over its limit (`FrameTooLargeError`): ZMQ
+would drop the connection for one over the hard limit without a word.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ from asyncpp.wire.loop_socket import LoopSocket
 
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+class FrameTooLargeError(ValueError):
+    """A message whose frame is over the limit of the socket it was for; it was not sent."""
+
+    def __init__(self, num_bytes: int, max_bytes: int) -> None:
+        super().__init__(f"a frame of {num_bytes} bytes is over the {max_bytes}-byte limit")
+        self.num_bytes, self.max_bytes = num_bytes, max_bytes
 
 
 def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool, token: str | None = None) -> zmq.Socket:
@@ -142,14 +152,18 @@ class RouterQueue:
 
 
 class DealerQueue:
-    """Client side of the client channel."""
+    """Client side of the client channel; `max_frame_bytes`: the engine's limit, if known."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_frame_bytes: int | None = None) -> None:
         self._sock = _socket(zmq.Context.instance(), zmq.DEALER, address, bind=False)
         self._io = LoopSocket(self._sock)
+        self.max_frame_bytes = min(max_frame_bytes or _HARD_MAX_FRAME_BYTES, _HARD_MAX_FRAME_BYTES)
 
     async def put(self, msg: Any) -> None:
-        await self._io.send(encode(msg))
+        frame = encode(msg)
+        if len(frame) > self.max_frame_bytes:
+            raise FrameTooLargeError(len(frame), self.max_frame_bytes)
+        await self._io.send(frame)
 
     async def put_raw(self, payload: bytes) -> None:
         """Send bytes as they are (tests use it to send malformed frames)."""

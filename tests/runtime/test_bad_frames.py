@@ -1,8 +1,9 @@
 """Bad frames and invalid requests get an `ErrorReply`; the engine keeps serving everyone else.
 
 A raw `DealerQueue` sends what `AsyncClient` never would. Every bad frame is
-answered with kind "bad_frame" (request id None); every well-formed but
-invalid request with kind "invalid_request" naming the field. Meanwhile a
+answered with kind "bad_frame", naming the request when the frame's head is a
+`generate` with a string id (else None); every well-formed but invalid request
+with kind "invalid_request" naming the field. Meanwhile a
 second client streams a good request, which must come out right.
 """
 
@@ -15,7 +16,8 @@ import pytest
 
 from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
-from asyncpp.launch import MAX_FRAME_BYTES
+from asyncpp.errors import InvalidRequestError
+from asyncpp.config import ServerConfig
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDelta, RequestDeltas
 from asyncpp.wire.codec import encode
@@ -24,6 +26,7 @@ from asyncpp.wire.stage_msgs import Shutdown
 from tests.conftest import tiny_config, tiny_prompts
 from tests.runtime.conftest import collect, is_idle, poll_until
 
+MAX_FRAME_BYTES = ServerConfig().max_frame_bytes  # the shared engine's
 GOOD = SamplingParams(max_tokens=180, temperature=0.0, ignore_eos=True)
 REPLY_TIMEOUT_S = 10.0
 
@@ -32,28 +35,29 @@ def frame(tag, fields) -> bytes:
     return msgpack.packb([tag, fields], use_bin_type=True)
 
 
-BAD_FRAMES = [
-    ("malformed bytes", b"\xc1\xc1 not msgpack", "malformed frame"),
-    ("truncated", encode(GenerateRequest("t", "hello"))[:-2], "malformed frame"),
-    ("not [tag, map]", msgpack.packb({"generate": {}}), "frame must be [type_tag, {fields}]"),
-    ("unknown type", frame("launch_missiles", {}), "unknown message type 'launch_missiles'"),
-    ("wrong type", frame("generate", {"request_id": 5, "prompt": "x"}), "GenerateRequest.request_id must be str"),
-    ("wrong nested type", frame("generate", {"request_id": "w", "prompt": [1, "a"]}), "GenerateRequest.prompt"),
-    ("unknown field", frame("abort", {"request_id": "r", "force": True}), "AbortRequest: unknown field 'force'"),
-    ("missing field", frame("generate", {"prompt": "x"}), "request_id"),
+BAD_FRAMES = [  # (name, frame, words in the error, the request id the reply names)
+    ("malformed bytes", b"\xc1\xc1 not msgpack", "malformed frame", None),
+    ("truncated", encode(GenerateRequest("t", "hello"))[:-2], "malformed frame", "t"),
+    ("not [tag, map]", msgpack.packb({"generate": {}}), "frame must be [type_tag, {fields}]", None),
+    ("unknown type", frame("launch_missiles", {}), "unknown message type 'launch_missiles'", None),
+    ("wrong type", frame("generate", {"request_id": 5, "prompt": "x"}), "GenerateRequest.request_id must be str", None),
+    ("wrong nested type", frame("generate", {"request_id": "w", "prompt": [1, "a"]}), "GenerateRequest.prompt", "w"),
+    ("unknown field", frame("abort", {"request_id": "r", "force": True}), "AbortRequest: unknown field 'force'", None),
+    ("missing field", frame("generate", {"prompt": "x"}), "request_id", None),
     # str and bytes field names together used to raise TypeError and kill the engine's client loop.
-    ("mixed key kinds", frame("abort", {"request_id": "r", b"x": 1, "y": 2}), "AbortRequest: unknown field"),
-    ("engine-to-stage message", encode(Shutdown("from a client")), "unexpected message Shutdown"),
-    ("engine-to-client message", encode(RequestDelta("r", "", [])), "unexpected message RequestDelta"),
-    ("oversized", encode(GenerateRequest("big", "a" * (MAX_FRAME_BYTES + 1))), f"over the {MAX_FRAME_BYTES}-byte limit"),
+    ("mixed key kinds", frame("abort", {"request_id": "r", b"x": 1, "y": 2}), "AbortRequest: unknown field", None),
+    ("engine-to-stage message", encode(Shutdown("from a client")), "unexpected message Shutdown", None),
+    ("engine-to-client message", encode(RequestDelta("r", "", [])), "unexpected message RequestDelta", None),
+    ("oversized", encode(GenerateRequest("big", "a" * (MAX_FRAME_BYTES + 1))), f"over the {MAX_FRAME_BYTES}-byte limit", "big"),
 ]
 
 INVALID_REQUESTS = [
     ("unknown key", "hello", {"max_tokens": 4, "beam_width": 2}, "sampling_params", "unknown sampling parameter"),
-    ("temperature -1", "hello", {"temperature": -1}, "sampling_params", "temperature"),
-    ("top_p 0", "hello", {"top_p": 0}, "sampling_params", "top_p"),
-    ("max_tokens str", "hello", {"max_tokens": "x"}, "sampling_params", "max_tokens"),
-    ("stop int", "hello", {"stop": 5}, "sampling_params", "sampling_params"),
+    ("temperature -1", "hello", {"temperature": -1}, "temperature", "temperature must be >= 0"),
+    ("temperature inf", "hello", {"temperature": float("inf")}, "temperature", "finite"),
+    ("top_p 0", "hello", {"top_p": 0}, "top_p", "top_p"),
+    ("max_tokens str", "hello", {"max_tokens": "x"}, "max_tokens", "max_tokens"),
+    ("stop int", "hello", {"stop": 5}, "stop", "stop must be a string or a list"),
     ("empty prompt", "", {}, "prompt", "empty"),
     ("empty token list", [], {}, "prompt", "empty"),
     ("token outside vocab", [5, 320], {}, "prompt_token_ids", "outside the vocabulary"),
@@ -87,11 +91,11 @@ async def test_bad_frames_and_invalid_requests_get_errors_while_others_are_serve
         good = asyncio.create_task(collect(client, good_prompt, GOOD))
         await poll_until(client.stats, lambda s: s["num_running"] == 1, timeout_s=10)
 
-        for name, payload, words in BAD_FRAMES:
+        for name, payload, words, request_id in BAD_FRAMES:
             await dealer.put_raw(payload)
             msg = await reply(dealer)
             assert isinstance(msg, ErrorReply), (name, msg)
-            assert (msg.kind, msg.request_id) == ("bad_frame", None), (name, msg)
+            assert (msg.kind, msg.request_id) == ("bad_frame", request_id), (name, msg)
             assert words in msg.message, (name, msg.message)
 
         # More than one frame in a message is a bad frame too.
@@ -127,3 +131,27 @@ async def test_bad_frames_and_invalid_requests_get_errors_while_others_are_serve
     finally:
         dealer.close()
         client.close()
+
+
+async def test_an_oversized_request_fails_its_own_generate_call(shared_pp2_engine, good_prompt, expected):
+    """Over the engine's frame limit: a client that knows the limit refuses to send it, naming the
+    largest field; one that does not sends it, and the engine's bad_frame reply names the request,
+    so its `generate` fails instead of waiting forever. Then the same client is served normally."""
+    huge = {"max_tokens": 2, "stop": ["x" * MAX_FRAME_BYTES]}
+    knowing = AsyncClient(shared_pp2_engine.address, max_frame_bytes=MAX_FRAME_BYTES)
+    unknowing = AsyncClient(shared_pp2_engine.address)
+    try:
+        with pytest.raises(InvalidRequestError, match=f"over the {MAX_FRAME_BYTES}-byte limit") as info:
+            await anext(knowing.generate(good_prompt, huge))
+        assert info.value.field == "stop"
+        with pytest.raises(InvalidRequestError, match=f"over the {MAX_FRAME_BYTES}-byte limit") as info:
+            await asyncio.wait_for(anext(unknowing.generate(good_prompt, huge, request_id="huge")), REPLY_TIMEOUT_S)
+        assert info.value.field == "request"
+        for client in (knowing, unknowing):
+            assert client._streams == {} and not client.unrouted_errors
+            tokens, _, reason = await asyncio.wait_for(collect(client, good_prompt, GOOD), timeout=30)
+            assert tokens == expected and reason == "length"
+        assert not (await poll_until(knowing.stats, is_idle, 5))["is_dead"]
+    finally:
+        knowing.close()
+        unknowing.close()
