@@ -2,7 +2,9 @@
 
 The launcher starts it when `server.http_port` (or `--http-port`) is set; it
 can also be started by hand next to a running engine. It tokenizes with the
-config's model and talks to the engine through `AsyncClient`.
+config's model and talks to the engine through `AsyncClient`. On SIGINT or
+SIGTERM it stops taking requests and gives the open ones
+`server.grace_period_s` before it ends them (`build_app`'s `begin_shutdown`).
 """
 
 from __future__ import annotations
@@ -51,13 +53,33 @@ def main(argv: list[str] | None = None) -> int:
     arch = read_arch(config.model.source, config.model.path_or_none)
     tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
     processor = InputProcessor(tokenizer, arch.vocab_size, config.model.max_model_len)
-    settings = HttpSettings(ns.engine, served_model_name(config), config.model.max_model_len, config.server.api_key or None)
+    server = config.server
+    settings = HttpSettings(
+        ns.engine, served_model_name(config), config.model.max_model_len, server.api_key or None,
+        metrics_require_key=server.metrics_require_key,
+        max_in_flight=config.scheduler.max_num_seqs + server.max_queued_requests,
+        max_frame_bytes=server.max_frame_bytes, grace_period_s=server.grace_period_s,
+    )  # fmt: skip
     app = build_app(settings, processor)
-    uvicorn.run(
-        app, host=config.server.http_host, port=config.server.http_port, log_level=ns.log_level,
+    uvicorn_config = uvicorn.Config(
+        app, host=server.http_host, port=server.http_port, log_level=ns.log_level,
         loop="uvloop", access_log=False, timeout_graceful_shutdown=2,
     )  # fmt: skip
+    _GracefulServer(uvicorn_config, app.state.begin_shutdown).run()
     return 0
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server, with the app's own shutdown first: uvicorn alone would wait two seconds,
+    then cut open streams without a word and answer pending requests with a plain-text 500."""
+
+    def __init__(self, config: uvicorn.Config, begin_shutdown) -> None:
+        super().__init__(config)
+        self.begin_shutdown = begin_shutdown
+
+    async def shutdown(self, sockets=None) -> None:
+        await self.begin_shutdown(lambda: self.force_exit)  # a second Ctrl-C: no more waiting
+        await super().shutdown(sockets)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,22 @@
 """OpenAI request bodies (pydantic) and their translation into asyncpp `SamplingParams`.
 
 Fields a vLLM user sends are accepted; unknown fields are ignored like
-OpenAI's own server does, wrong types are a 400 naming the field. `n > 1`
-and several prompts in one completion request are refused clearly (400).
+OpenAI's own server does, wrong types are a 400 naming the field. Types are
+strict: a number is never a string ("0.5"), floats are finite, and integers
+fit 64 bits (the engine's frames carry no larger). `n > 1` and several
+prompts in one completion request are refused clearly (400).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool
 
 from asyncpp.errors import InvalidRequestError
+
+Int = Annotated[int, Strict(), Field(ge=-(2**63), lt=2**63)]
+Float = Annotated[float, Strict(), AllowInfNan(False)]
 
 
 class StreamOptions(BaseModel):
@@ -22,19 +27,19 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: StrictInt | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: StrictInt = 0
-    min_p: float = 0.0
-    seed: StrictInt | None = None
+    max_tokens: Int | None = None
+    temperature: Float = 1.0
+    top_p: Float = 1.0
+    top_k: Int = 0
+    min_p: Float = 0.0
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    stop_token_ids: list[Int] | None = None
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
     ignore_eos: StrictBool = False
-    n: StrictInt = 1
+    n: Int = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -67,10 +72,10 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    logprobs: StrictInt | None = None
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = None
     echo: StrictBool = False
-    max_tokens: StrictInt | None = 16  # OpenAI's default for completions
+    max_tokens: Int | None = 16  # OpenAI's default for completions
 
     def engine_prompt(self) -> str | list[int]:
         prompt = self.prompt
@@ -104,9 +109,9 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
 
     def engine_prompt(self) -> list[dict[str, str]]:
         return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]

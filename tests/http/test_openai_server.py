@@ -228,7 +228,10 @@ def test_api_key_required_when_set(tmp_path, tiny_hf_dir):
         assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).usage.completion_tokens == 2
         chunks = list(good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=3, stream=True))
         assert sum(len(c.choices) for c in chunks) == 3  # a stream passes the key check chunk by chunk
-        assert httpx.get(f"{base}/health").status_code == 200  # outside /v1/: no key
+        assert httpx.get(f"{base}/health").status_code == 200  # no key needed
+        assert httpx.get(f"{base}/metrics").status_code == 200  # nor here, unless server.metrics_require_key
+        assert httpx.get(f"{base}/openapi.json").status_code == 401  # everything else needs it
+        assert httpx.get(f"{base}/openapi.json", headers={"Authorization": "Bearer s3cret"}).status_code == 200
 
 
 def test_non_loopback_http_without_a_key_is_refused_at_start_up(tmp_path, tiny_hf_dir):
