@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from asyncpp.client import AsyncClient
 from asyncpp.engine.input_processor import InputProcessor
 from asyncpp.errors import InvalidRequestError
-from asyncpp.http.app import HttpSettings, build_app
+from asyncpp.http.app import MIN_MAX_BODY_BYTES, HttpSettings, build_app
 from asyncpp.tokenizer import load_tokenizer
 from tests.http.test_openai_server import free_port, metric_values
 from tests.runtime.conftest import poll_until
@@ -372,4 +372,17 @@ async def test_the_key_guards_every_path_but_health_and_maybe_metrics(server, ti
             assert error_of(await http.get("/v1/nothing", headers=key), 404)["type"] == "NotFoundError"
             r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers=key)
             assert r.json()["usage"]["completion_tokens"] == 2
+    await served_and_nothing_held(server)
+
+
+async def test_a_body_over_the_limit_is_a_413_unread(server, tiny_hf_dir):
+    """Bodies are read up to max(32 MiB, 4 x max_frame_bytes); the app in process, as above."""
+    tokenizer = load_tokenizer("hf", str(tiny_hf_dir), 320)
+    settings = HttpSettings(server.address, MODEL, 256, max_frame_bytes=MAX_FRAME_BYTES)
+    app = build_app(settings, InputProcessor(tokenizer, 320, 256))
+    body = json.dumps({"prompt": "x" * MIN_MAX_BODY_BYTES}).encode()
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            error = error_of(await http.post("/v1/completions", content=body, headers=JSON), 413)
+            assert f"over the {MIN_MAX_BODY_BYTES}-byte limit" in error["message"]
     await served_and_nothing_held(server)
