@@ -33,7 +33,7 @@ import uuid
 import numpy as np
 import torch
 
-from asyncpp.kv_transfer.pd.nixl_transport import NixlTransport, TransferState, block_runs
+from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
 
 
 def fresh_caches(count: int, shape: tuple[int, ...]) -> tuple[mmap.mmap, list[torch.Tensor]]:

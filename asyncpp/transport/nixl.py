@@ -2,7 +2,7 @@
 
 The receiver allocates the usual `[num_slots, num_keys, max_num_tokens,
 hidden_size]` ring, registers it with its own NIXL agent (the PD wrapper,
-`asyncpp.kv_transfer.pd.nixl_transport.NixlTransport`, UCX backend) and
+`asyncpp.transport.nixl_agent.NixlTransport`, UCX backend) and
 publishes the agent's metadata and the ring's address in `RingSpec.handles`.
 The sender registers a ring of the same shape as its staging buffer, adds the
 receiver's agent, and per step copies its tensors into its own slot and posts
@@ -27,11 +27,10 @@ import dataclasses
 import time
 
 import msgpack
-import numpy as np
 import torch
 
 from asyncpp.dtypes import torch_dtype
-from asyncpp.kv_transfer.pd.nixl_transport import NixlTransport, TransferHandle, TransferState
+from asyncpp.transport.nixl_agent import NixlTransport, TransferState
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.transport.base import (
     ActivationError,
@@ -51,41 +50,6 @@ _SPIN_S = 20e-6
 _PROGRESS_DELAY_US = 1000  # NIXL progress thread: a hand-off waits on it, a KV pull (5 ms) does not
 
 
-class NixlWriter(NixlTransport):
-    """The PD agent wrapper plus one-sided WRITEs (local -> remote), which pipeline hand-offs need."""
-
-    def write(self, remote: str, runs: list[tuple[int, int, int]], notif: bytes) -> TransferHandle:
-        """Post ONE transfer writing every `(local_addr, remote_addr, nbytes)` run to `remote`; `notif`
-        reaches the remote once every byte has landed. A failing transfer reads as FAILED."""
-        self._check_open()
-        if remote not in self._remotes:
-            raise ValueError(f"unknown remote agent {remote!r}; add_remote it first")
-        local_is_cuda, device_id = self._check_local_runs(runs)
-        nb = self._nb
-        local = np.array([(a, n, device_id) for a, _, n in runs], dtype=np.uint64)
-        far = np.array([(ra, n, 0) for _, ra, n in runs], dtype=np.uint64)
-        nbytes = sum(n for _, _, n in runs)
-        try:
-            req = self._agent.createXferReq(
-                nb.NIXL_WRITE, nb.nixlXferDList(self._seg(local_is_cuda), local),
-                nb.nixlXferDList(self._seg(False), far), remote, notif, [self._backend],
-            )  # fmt: skip
-        except (nb.nixlNotFoundError, nb.nixlInvalidParamError) as e:
-            raise ValueError(f"runs outside the memory {remote!r} registered ({e})") from e
-        except Exception as e:  # noqa: BLE001 - the peer is unusable (disconnected)
-            self._log.warning("nixl_write_failed", remote=remote, error=repr(e))
-            return TransferHandle(remote, nbytes, len(runs), None, TransferState.FAILED)
-        handle = TransferHandle(remote, nbytes, len(runs), req, TransferState.RUNNING)
-        self._handles.add(handle)
-        try:
-            status = self._agent.postXferReq(req)
-            handle._state = TransferState.DONE if status == nb.NIXL_SUCCESS else TransferState.RUNNING
-        except Exception as e:  # noqa: BLE001 - e.g. the remote agent is gone
-            self._log.warning("nixl_write_failed", remote=remote, error=repr(e))
-            handle._state = TransferState.FAILED
-        return handle
-
-
 def _ring(spec: RingSpec) -> torch.Tensor:
     return torch.zeros(ring_shape(spec), dtype=torch_dtype(spec.dtype))
 
@@ -99,7 +63,7 @@ class NixlReceiver:
         if spec.device != "cpu" or spec.peer_device != "cpu":
             raise ValueError("the nixl activation transport moves CPU memory only (for now)")
         self.ring = _ring(spec)
-        self._agent = NixlWriter(spec.name, progress_delay_us=_PROGRESS_DELAY_US)
+        self._agent = NixlTransport(spec.name, progress_delay_us=_PROGRESS_DELAY_US)
         self._agent.register([self.ring])
         handles = msgpack.packb({"agent": self._agent.agent_metadata(), "addr": self.ring.data_ptr()})
         self.spec = dataclasses.replace(spec, handles=handles)
@@ -139,7 +103,7 @@ class NixlSender:
         handles = msgpack.unpackb(spec.handles)
         self._remote_addr = int(handles["addr"])
         self.staging = _ring(spec)  # registered once: a write's source must be NIXL memory
-        self._agent = NixlWriter(f"{spec.name}-writer", progress_delay_us=_PROGRESS_DELAY_US)
+        self._agent = NixlTransport(f"{spec.name}-writer", progress_delay_us=_PROGRESS_DELAY_US)
         self._agent.register([self.staging])
         self._remote = self._agent.add_remote(handles["agent"])
         self._itemsize = self.staging.element_size()

@@ -32,7 +32,7 @@ import torch
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorWorker
 from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, KVRegion
 from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
-from asyncpp.kv_transfer.pd.nixl_transport import NixlTransport, TransferState, block_runs
+from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 

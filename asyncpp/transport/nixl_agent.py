@@ -1,8 +1,10 @@
-"""The byte-moving layer of prefill/decode disaggregation: one NIXL agent (UCX backend) per stage.
+"""`NixlTransport`: one NIXL agent (UCX backend) per stage, for KV pulls and activation hand-offs.
 
-A `NixlTransport` registers a stage's KV tensors once, hands out its agent
-metadata, adds remote agents from theirs, and pulls bytes with one-sided
-READs (remote -> local): one NIXL transfer per `read`, one descriptor per
+It registers a stage's tensors (KV caches, an activation ring) once, hands
+out its agent metadata, adds remote agents from theirs, and moves bytes with
+one-sided READs (remote -> local: prefill/decode disaggregation,
+`kv_transfer.pd`) or WRITEs (local -> remote: pipeline hand-offs between
+hosts, `transport.nixl`): one NIXL transfer per call, one descriptor per
 `(local_addr, remote_addr, nbytes)` run (`block_runs` merges consecutive
 blocks). A read's `notif` reaches the remote agent once, after every byte
 of the read has landed; a read that fails or is released early never sends
@@ -235,11 +237,30 @@ class NixlTransport:
         notif is sent at once. Bad arguments raise `ValueError`; a failing transfer never raises,
         it reads as FAILED.
         """
+        return self._transfer("READ", remote, runs, notif, remote_is_cuda, remote_device_id)
+
+    def write(
+        self,
+        remote: str,
+        runs: list[tuple[int, int, int]],
+        notif: bytes = b"",
+        remote_is_cuda: bool = False,
+        remote_device_id: int = 0,
+    ) -> TransferHandle:
+        """Post ONE transfer writing every `(local_addr, remote_addr, nbytes)` run to `remote`, the
+        same way as `read` (pipeline hand-offs between hosts, `transport.nixl`)."""
+        return self._transfer("WRITE", remote, runs, notif, remote_is_cuda, remote_device_id)
+
+    def _transfer(
+        self, op: str, remote: str, runs: list[tuple[int, int, int]], notif: bytes, remote_is_cuda: bool,
+        remote_device_id: int,
+    ) -> TransferHandle:  # fmt: skip
         self._check_open()
         if remote not in self._remotes:
             raise ValueError(f"unknown remote agent {remote!r}; add_remote it first")
         local_is_cuda, local_device_id = self._check_local_runs(runs)
         nbytes = sum(n for _, _, n in runs)
+        event = f"nixl_{op.lower()}_failed"
         if not runs:
             state = TransferState.DONE
             if notif:
@@ -254,14 +275,14 @@ class NixlTransport:
         nb = self._nb
         try:
             req = self._agent.createXferReq(
-                nb.NIXL_READ, nb.nixlXferDList(self._seg(local_is_cuda), local),
+                getattr(nb, f"NIXL_{op}"), nb.nixlXferDList(self._seg(local_is_cuda), local),
                 nb.nixlXferDList(self._seg(remote_is_cuda), far), remote, notif, [self._backend],
             )  # fmt: skip
         except (nb.nixlNotFoundError, nb.nixlInvalidParamError) as e:
             # Local runs and the remote were checked above: what is left is the remote's memory.
             raise ValueError(f"runs outside the memory {remote!r} registered ({e})") from e
         except Exception as e:  # noqa: BLE001 - the peer is unusable (disconnected)
-            self._log.warning("nixl_read_failed", remote=remote, error=repr(e))
+            self._log.warning(event, remote=remote, error=repr(e))
             return TransferHandle(remote, nbytes, len(runs), None, TransferState.FAILED)
         handle = TransferHandle(remote, nbytes, len(runs), req, TransferState.RUNNING)
         self._handles.add(handle)
@@ -269,7 +290,7 @@ class NixlTransport:
             status = self._agent.postXferReq(req)
             handle._state = TransferState.DONE if status == nb.NIXL_SUCCESS else TransferState.RUNNING
         except Exception as e:  # noqa: BLE001 - e.g. the remote agent is gone
-            self._log.warning("nixl_read_failed", remote=remote, error=repr(e))
+            self._log.warning(event, remote=remote, error=repr(e))
             handle._state = TransferState.FAILED
         return handle
 

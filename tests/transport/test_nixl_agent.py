@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpp.kv_transfer.pd.nixl_transport import NixlTransport, TransferState, block_runs
+from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
 
 pytest.importorskip("nixl_cu12")
 
