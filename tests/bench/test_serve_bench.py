@@ -208,6 +208,11 @@ def test_cpu_figures_cover_engine_client_and_stages(result):
         assert cpu["num_output_tokens"] == num_tokens
         assert len(cpu["stages"]) == run["pp_size"]
         for figures in [cpu["engine"], cpu["client"], *cpu["stages"], cpu["machine_busy"]]:
-            assert 0 < figures["cpu_s"] < (os.cpu_count() + 1) * window_s, figures
+            # Stages are read from /proc in clock ticks (10 ms): one that computed less than a tick
+            # in a short window reads 0, so only their sum must be above it.
+            is_stage = any(figures is stage for stage in cpu["stages"])
+            assert (0 <= figures["cpu_s"] if is_stage else 0 < figures["cpu_s"]), figures
+            assert figures["cpu_s"] < (os.cpu_count() + 1) * window_s, figures
             assert figures["cpu_us_per_output_token"] == pytest.approx(figures["cpu_s"] * 1e6 / num_tokens)
+        assert sum(stage["cpu_s"] for stage in cpu["stages"]) > 0
         assert cpu["engine"]["core_pct"] == pytest.approx(100 * cpu["engine"]["cpu_s"] / window_s)
