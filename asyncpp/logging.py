@@ -9,6 +9,7 @@ processes by its `step_id`.
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 import time
 from typing import Any
@@ -29,8 +30,9 @@ def configure_logging(fmt: str = "console", level: str = "info", file: str | Non
     stream: Any = open(file, "a", buffering=1) if file else _CurrentStderr()  # noqa: SIM115 - lives with the process
     is_json = fmt == "json" or file is not None
     renderer: Any = structlog.processors.JSONRenderer() if is_json else structlog.dev.ConsoleRenderer(colors=stream.isatty())
-    # JSON lines carry integer wall-clock microseconds so `asyncpp.trace` can line processes up.
-    timestamps = [_add_wall_us] if is_json else []
+    # JSON lines carry integer wall-clock microseconds so `asyncpp.trace` can line processes up,
+    # and the host name: stages may run on other hosts (`parallel.backend = "ray"`).
+    timestamps = [_add_wall_us, _add_host] if is_json else []
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -66,6 +68,14 @@ class _CurrentStderr:
 
 def _add_wall_us(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
     event.setdefault("t_us", time.time_ns() // 1000)
+    return event
+
+
+_HOST = socket.gethostname()
+
+
+def _add_host(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    event.setdefault("host", _HOST)
     return event
 
 
