@@ -42,6 +42,9 @@ JSON = {"content-type": "application/json"}
 MAX_FRAME_BYTES = 64 * 1024
 MAX_NUM_SEQS, MAX_QUEUED = 2, 2
 LONG = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}  # far more steps than a case takes to act
+# The disconnect case needs two requests still generating once a third has its first token: as
+# many steps as the context allows (the tiny model's 512 positions, less PROMPT's 46 bytes).
+LONGEST = {**LONG, "max_tokens": 450}
 DEADLINE_S = 30.0  # liveness only: how long a case waits for what must happen before it fails
 # Per endpoint. CI runs the same 150 bodies every time; ASYNCPP_FUZZ_EXAMPLES=N runs N new random ones.
 FUZZ_EXAMPLES = int(os.environ.get("ASYNCPP_FUZZ_EXAMPLES", 150))
@@ -52,6 +55,7 @@ def server(tmp_path_factory, tiny_hf_dir):
     port = free_port()
     sections = tiny_sections(
         tiny_hf_dir, 1,
+        model={"source": "hf", "path": str(tiny_hf_dir), "dtype": "float32", "max_model_len": 512},
         scheduler={"max_num_seqs": MAX_NUM_SEQS},
         server={"http_port": port, "served_model_name": MODEL, "max_queued_requests": MAX_QUEUED,
                 "max_frame_bytes": MAX_FRAME_BYTES},
@@ -175,7 +179,7 @@ async def test_every_disconnect_aborts_its_request(server):
     streaming = asyncio.Event()
 
     async def hang_up_later(stream: bool) -> None:
-        body = {"prompt": PROMPT, **LONG, "stream": stream}
+        body = {"prompt": PROMPT, **LONGEST, "stream": stream}
         async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as http:
             if not stream:
                 await http.post("/v1/completions", json=body)
@@ -184,9 +188,9 @@ async def test_every_disconnect_aborts_its_request(server):
                 async for _ in r.aiter_lines():
                     streaming.set()
 
-    running = [asyncio.create_task(hang_up_later(False))]
-    await wait_in_flight(server, 1)
-    running.append(asyncio.create_task(hang_up_later(True)))
+    # Both start together: the non-streamed one is still generating when the streamed one has its
+    # first token (hundreds of steps remain), and then nothing moves until they hang up.
+    running = [asyncio.create_task(hang_up_later(False)), asyncio.create_task(hang_up_later(True))]
     await asyncio.wait_for(streaming.wait(), DEADLINE_S)
     async with stages_frozen(server):  # both have tokens, and far from all of them
         waiting = [asyncio.create_task(hang_up_later(stream)) for stream in (False, True)]
