@@ -251,3 +251,19 @@ def test_a_failed_load_within_the_plan_is_recomputed_from_scratch():
     plan = s.schedule()
     assert plan.scheduled[0].start_position == 0 and plan.scheduled[0].num_tokens == 10  # all of it again
     assert plan.preempted_req_ids == ["a"] and s.stats().num_external_prefix_hit_tokens == 0
+
+
+def test_a_send_past_its_deadline_is_failed_even_if_every_stage_then_reports_it_done():
+    """Once the engine gave up on a send, what it wrote is untrusted: the merged report says failed
+    whatever the stages say (the connector then drops those slots)."""
+    clock, connector = Clock(), Connector(hold=True)
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", [1, 2, 3, 4, 5], max_tokens=1))
+    plan = s.schedule()
+    report(s, plan, {"a": [9]})
+    clock.now = 7.0
+    plan = s.schedule(allow_empty=True)
+    assert plan.kv_connector_metadata.aborted_req_ids == ["a"]
+    report(s, plan, stage0=sent("a"), stage1=sent("a"))  # both say done, neither says failed
+    assert connector.outputs[-1].finished_sending == {"a"} and connector.outputs[-1].failed_sending == {"a"}
+    assert s.num_held_for_transfer == 0 and s._block_manager.num_free_blocks == 16
