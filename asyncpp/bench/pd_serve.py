@@ -30,7 +30,7 @@ from asyncpp.bench.engine_proc import launched_engine
 from asyncpp.bench.load import run_load
 from asyncpp.bench.metrics import serving_metrics
 from asyncpp.bench.runs import RunSpec, _toml_value, run_sections, to_toml
-from asyncpp.config import load_config
+from asyncpp.disagg.config import load_disagg_config
 from asyncpp.weights import read_arch
 
 _FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "output_throughput")
@@ -64,12 +64,7 @@ def serve(config_path: Path, args, requests, warmup) -> dict[str, Any]:
 
 def handed_over_shape(config_path: str, input_len: int) -> dict[str, int]:
     """The blocks one prompt of `input_len` tokens hands over, in `bench.pd_transfer`'s terms."""
-    sections = tomllib.loads(Path(config_path).read_text())
-    sections.pop("disagg", None)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "base.toml"
-        path.write_text(to_toml(sections))
-        config = load_config(path)
+    config = load_disagg_config(config_path).engine_config("decode")
     arch = read_arch(config.model.source, config.model.path_or_none)
     block_size = config.cache.block_size
     return {
