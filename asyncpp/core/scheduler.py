@@ -347,13 +347,7 @@ class Scheduler(KVTransferScheduling):
             first_block = scheduled.start_position // self._block_manager.block_size
             bad.update(self._block_manager.uncache(scheduled.request_id, first_block))
         failed = [scheduled.request_id for scheduled in plan.scheduled]
-        for request_id, request in self._requests.items():
-            if request_id in failed or bad.isdisjoint(self._block_manager.block_ids(request_id)):
-                continue
-            self._untrusted_sends.add(request_id)
-            if not request.is_finished:
-                failed.append(request_id)
-        return failed
+        return failed + self._taint_holders(bad, set(failed))
 
     # ------------------------------------------------------------------ helpers
     @property

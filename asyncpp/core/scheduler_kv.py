@@ -215,14 +215,20 @@ class KVTransferScheduling:
         table = self._block_manager.block_ids(request_id)
         first = min((table.index(b) for b in block_ids if b in table), default=len(table))
         bad = set(self._block_manager.uncache(request_id, first)) | set(block_ids)
-        failed = []
-        for other_id, request in self._requests.items():  # type: ignore[attr-defined]
-            if request.is_finished or bad.isdisjoint(self._block_manager.block_ids(other_id)):
+        request = self._requests[request_id]  # type: ignore[attr-defined]
+        return ([] if request.is_finished else [request_id]) + self._taint_holders(bad, {request_id})
+
+    def _taint_holders(self, bad: set[int], skip: set[str]) -> list[str]:
+        """Requests (but `skip`) holding one of the `bad` blocks read KV that was never written:
+        what they sent is not trusted. Returns the unfinished ones, which must fail or start again."""
+        tainted = []
+        for request_id, request in self._requests.items():  # type: ignore[attr-defined]
+            if request_id in skip or bad.isdisjoint(self._block_manager.block_ids(request_id)):
                 continue
-            if other_id != request_id:
-                self._untrusted_sends.add(other_id)
-            failed.append(other_id)
-        return failed
+            self._untrusted_sends.add(request_id)
+            if not request.is_finished:
+                tainted.append(request_id)
+        return tainted
 
     def take_failed_requests(self) -> list[tuple[str, str]]:
         """Requests whose KV load failed within a plan, with why: the engine fails them."""
