@@ -276,6 +276,38 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer on the last stage drafts tokens, the next step verifies them.
+
+    `method`: a registered proposer (`asyncpp.speculative`), "none" = off. `adaptive`: draft only
+    where the expected accepted tokens pay for the wider step (measured), so it is never a loss.
+    """
+
+    method: str = "none"
+    num_speculative_tokens: int = 4  # k: drafts per request per step, at most
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up in the request's tokens
+    prompt_lookup_max: int = 4  # ngram: the longest
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.method:
+            raise ConfigError("speculative.method must name a proposer ('none' for none)")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"speculative.num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min < 1:
+            raise ConfigError(f"speculative.prompt_lookup_min must be >= 1, got {self.prompt_lookup_min}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -283,6 +315,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         kinds = {d.split(":")[0] for d in self.stage_devices}
@@ -299,6 +332,18 @@ class EngineConfig:
             raise ConfigError(
                 "scheduler.max_num_batched_tokens must be >= model.max_model_len "
                 "when scheduler.enable_chunked_prefill is false"
+            )
+        k = self.speculative.num_speculative_tokens
+        if self.speculative.is_enabled and k + 1 > self.scheduler.max_num_batched_tokens:
+            raise ConfigError(
+                f"speculative.num_speculative_tokens {k} does not fit the token budget: a step of one request "
+                f"needs 1 + k = {k + 1} tokens, more than scheduler.max_num_batched_tokens "
+                f"{self.scheduler.max_num_batched_tokens}"
+            )
+        if self.speculative.is_enabled and k + 1 >= self.model.max_model_len:
+            raise ConfigError(
+                f"speculative.num_speculative_tokens {k} must be below model.max_model_len - 1 "
+                f"({self.model.max_model_len - 1})"
             )
 
     @property
