@@ -11,6 +11,8 @@ Per step, in order:
    q ~ Exponential(1), which samples from `probs`. A seeded row draws its q
    from its own generator, re-seeded per step (see `state.py`), so its tokens
    never depend on the batch; unseeded rows share one draw from the global RNG.
+   `filtered_probs` exposes the filtered probs (the speculative rejection
+   sampler verifies drafts against them).
 
 All math is float32 whatever the logits dtype (a batch that is all plain
 greedy takes argmax in the input dtype, which is exact; every argmax is
@@ -85,6 +87,19 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
         """`logits`: [n, vocab_size] rows of non-greedy requests; not written to."""
+        probs = self.filtered_probs(logits, states)
+        # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
+        exponentials = self._draw_exponentials(states, probs.shape)
+        return argmax_rows(probs.div_(exponentials), self.isa)
+
+    def filtered_probs(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
+        """What random rows sample from: softmax(logits / temperature), then min-p, top-k, top-p.
+
+        `logits`: [n, vocab_size] float32, already penalized, rows of non-greedy
+        requests; not written to. Returns a fresh [n, vocab_size] float32 tensor,
+        each row proportional to its distribution but NOT renormalised after the
+        filters (divide by the row sum for probabilities).
+        """
         params = [s.params for s in states]
         temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
         probs = (logits / temperatures.unsqueeze(1)).softmax(dim=-1)  # a fresh tensor the filters may write to
@@ -93,9 +108,7 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             apply_min_p(probs, torch.tensor(min_p, dtype=torch.float32, device=self.device))
         self._apply_top_k_top_p(probs, params)
-        # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
-        exponentials = self._draw_exponentials(states, probs.shape)
-        return argmax_rows(probs.div_(exponentials), self.isa)
+        return probs
 
     def _apply_top_k_top_p(self, probs: torch.Tensor, params: Sequence[SamplingParams]) -> None:
         """Filter in place, sorting only the rows that use top-k or top-p."""

@@ -1,0 +1,287 @@
+"""`RejectionSampler`: verifies draft tokens against the target model's logits.
+
+Runs on the last pipeline stage. A request with d >= 0 drafts [d_1..d_d] owns
+1 + d consecutive logits rows; row j is the target's distribution for the
+token after "tokens so far + d_1..d_j", and is processed as if those drafts had
+already been sampled: penalties see them, and a seeded request's draw uses the
+step seed of output length len(output) + j.
+
+- greedy (temperature 0): t_j = argmax of row j (`argmax_rows`, as `Sampler`);
+  d_{j+1} is accepted while t_j == d_{j+1}. The output t_0..t_m equals
+  one-token-at-a-time greedy decoding exactly.
+- random: p_j = row j's distribution exactly as `Sampler` builds it
+  (`Sampler.filtered_probs`, renormalised). d_{j+1} is accepted with
+  probability p_j(d_{j+1}) (the draft is a one-hot proposal); on the first
+  rejection the output ends with a token drawn from p_j without d_{j+1},
+  renormalised; if all are accepted, a bonus token is drawn from p_d. Each
+  output token then follows the target distribution. A seeded request draws
+  row j's acceptance uniform and then its sample (exponential race) from its
+  generator re-seeded with row j's step seed, so its tokens depend only on
+  the seed, the positions and the logits, never on the batch.
+
+A batch without any drafts is handed to `Sampler` itself, so speculation
+changes nothing for it. Output token i's logprobs come from row i: the raw
+log-softmax (before penalties and temperature) and the row's top-N.
+`states` are not modified (their generators are re-seeded, as `Sampler` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from asyncpp.kernels.argmax import argmax_rows
+from asyncpp.sampling.output import SamplerOutput
+from asyncpp.sampling.penalties import apply_penalties
+from asyncpp.sampling.sampler import Sampler
+from asyncpp.sampling.state import RequestSamplingState
+from asyncpp.worker.outputs import Logprobs
+
+__all__ = ["RejectionSampler", "VerifiedTokens"]
+
+
+@dataclass(frozen=True)
+class VerifiedTokens:
+    token_ids: list[list[int]]  # per request: the accepted drafts, then one more token (len 1..d+1)
+    logprobs: list[list[Logprobs] | None]  # per request, one per token in token_ids; None where not asked
+    num_draft_tokens: list[int]  # per request: d
+    num_accepted: list[int]  # per request: drafts accepted (len(token_ids) - 1)
+
+
+class RejectionSampler:
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[RequestSamplingState],
+        draft_token_ids: Sequence[Sequence[int]],
+    ) -> VerifiedTokens:
+        """`logits`: [sum(1 + len(drafts_i)), vocab_size], each request's rows consecutive, in request order."""
+        self._validate(logits, states, draft_token_ids)
+        num_draft_tokens = [len(drafts) for drafts in draft_token_ids]
+        if not any(num_draft_tokens):
+            return _from_sampler_output(self.sampler(logits, states))
+
+        starts = [0]  # first row of each request, then the total
+        for d in num_draft_tokens:
+            starts.append(starts[-1] + 1 + d)
+        row_states = _row_states(states, draft_token_ids)  # [num_rows]
+        logits = logits.to(device=self.sampler.device)
+        is_plain_greedy = all(
+            s.params.is_greedy and s.params.logprobs is None and not s.params.uses_penalties for s in states
+        )
+        if not is_plain_greedy:  # argmax alone is exact in any dtype, as in `Sampler`
+            logits = logits.to(dtype=torch.float32)
+        penalized = apply_penalties(logits, row_states)  # a new tensor where any row has penalties
+
+        token_ids: list[list[int]] = [[] for _ in states]
+        greedy_reqs = [i for i, s in enumerate(states) if s.params.is_greedy]
+        random_reqs = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if greedy_reqs:
+            self._verify_greedy(penalized, greedy_reqs, starts, draft_token_ids, token_ids)
+        if random_reqs:
+            self._verify_random(penalized, random_reqs, starts, row_states, draft_token_ids, token_ids)
+        return VerifiedTokens(
+            token_ids=token_ids,
+            logprobs=self._logprobs(logits, states, starts, token_ids),
+            num_draft_tokens=num_draft_tokens,
+            num_accepted=[len(tokens) - 1 for tokens in token_ids],
+        )
+
+    def _validate(
+        self, logits: torch.Tensor, states: Sequence[RequestSamplingState], draft_token_ids: Sequence[Sequence[int]]
+    ) -> None:
+        if len(draft_token_ids) != len(states):
+            raise ValueError(f"got {len(draft_token_ids)} draft lists for {len(states)} requests")
+        num_rows = sum(1 + len(drafts) for drafts in draft_token_ids)
+        vocab_size = self.sampler.vocab_size
+        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] != vocab_size:
+            raise ValueError(
+                f"logits must be [num_rows={num_rows} (1 + drafts per request, {len(states)} requests), "
+                f"vocab_size={vocab_size}], got {list(logits.shape)}"
+            )
+        for drafts in draft_token_ids:
+            for t in drafts:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"draft token {t} is outside the vocabulary [0, {vocab_size})")
+
+    def _verify_greedy(
+        self,
+        penalized: torch.Tensor,
+        reqs: list[int],
+        starts: list[int],
+        draft_token_ids: Sequence[Sequence[int]],
+        token_ids: list[list[int]],
+    ) -> None:
+        rows = [r for i in reqs for r in range(starts[i], starts[i + 1])]
+        argmax = argmax_rows(penalized[self._index(rows)], self.sampler.isa).tolist()  # [len(rows)]
+        offset = 0
+        for i in reqs:
+            drafts, targets = draft_token_ids[i], argmax[offset : offset + 1 + len(draft_token_ids[i])]
+            offset += len(targets)
+            num_accepted = 0
+            while num_accepted < len(drafts) and targets[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            token_ids[i] = targets[: num_accepted + 1]
+
+    def _verify_random(
+        self,
+        penalized: torch.Tensor,
+        reqs: list[int],
+        starts: list[int],
+        row_states: list[RequestSamplingState],
+        draft_token_ids: Sequence[Sequence[int]],
+        token_ids: list[list[int]],
+    ) -> None:
+        rows = [r for i in reqs for r in range(starts[i], starts[i + 1])]  # of all random requests, in order
+        random_logits = penalized if len(rows) == penalized.shape[0] else penalized[self._index(rows)]
+        probs = self.sampler.filtered_probs(random_logits, [row_states[r] for r in rows])  # [len(rows), vocab]
+        local_starts, k = [], 0  # each request's first row in `probs`
+        for i in reqs:
+            local_starts.append(k)
+            k += 1 + len(draft_token_ids[i])
+
+        # 1. Accept or reject every draft at once (those after a rejection are discarded).
+        draft_rows = [k + j for i, k in zip(reqs, local_starts) for j in range(len(draft_token_ids[i]))]
+        is_accepted: list[bool] = []
+        if draft_rows:
+            draft_tokens = self._index([t for i in reqs for t in draft_token_ids[i]])
+            draft_row_ids = self._index(draft_rows)
+            total_mass = probs.sum(dim=-1)[draft_row_ids]  # [num_drafts]
+            draft_mass = probs[draft_row_ids, draft_tokens]
+            uniforms = self._uniforms([row_states[rows[k]] for k in draft_rows])
+            # u < 1, and a draft holding all the mass has draft_mass == total_mass exactly (the rest
+            # are zeros), so it is always accepted: a rejection always leaves mass to resample from.
+            is_accepted = (uniforms < draft_mass / total_mass).tolist()
+
+        # 2. One more token per request, from the row of the first rejection (draft removed) or the bonus row.
+        stop_rows, rejected_tokens = [], []  # rejected_tokens[k]: the draft to remove, or -1 for a bonus row
+        offset = 0
+        for i, k in zip(reqs, local_starts):
+            drafts = draft_token_ids[i]
+            accepted = is_accepted[offset : offset + len(drafts)]
+            offset += len(drafts)
+            num_accepted = accepted.index(False) if False in accepted else len(drafts)
+            token_ids[i] = list(drafts[:num_accepted])
+            stop_rows.append(k + num_accepted)
+            rejected_tokens.append(drafts[num_accepted] if num_accepted < len(drafts) else -1)
+        weights = probs[self._index(stop_rows)]  # [num_reqs, vocab], a copy
+        rejected = [k for k, t in enumerate(rejected_tokens) if t >= 0]
+        if rejected:
+            weights[self._index(rejected), self._index([rejected_tokens[k] for k in rejected])] = 0.0
+        exponentials = self._exponentials(
+            [row_states[rows[k]] for k in stop_rows], [t >= 0 for t in rejected_tokens], weights.shape
+        )
+        sampled = argmax_rows(weights.div_(exponentials), self.sampler.isa).tolist()
+        for i, token in zip(reqs, sampled):
+            token_ids[i].append(token)
+
+    def _uniforms(self, states: list[RequestSamplingState]) -> torch.Tensor:
+        """One U[0, 1) per state: a seeded state's is the first draw after re-seeding with its step seed."""
+        device = self.sampler.device
+        uniforms = torch.empty(len(states), dtype=torch.float32, device=device)
+        unseeded = [k for k, s in enumerate(states) if s.generator is None]
+        if unseeded:
+            uniforms[self._index(unseeded)] = torch.rand(len(unseeded), dtype=torch.float32, device=device)
+        for k, state in enumerate(states):
+            if state.generator is not None:
+                state.generator.manual_seed(state.step_seed())
+                uniforms[k : k + 1].uniform_(generator=state.generator)
+        return uniforms
+
+    def _exponentials(
+        self, states: list[RequestSamplingState], skip_uniform: list[bool], shape: torch.Size
+    ) -> torch.Tensor:
+        """Exponential(1) draws as -log(u), as `Sampler` draws them: [n, vocab_size].
+
+        A seeded state whose row also drew an acceptance uniform skips it, so
+        the two draws of one row are distinct; a bonus row draws exactly what
+        `Sampler` would at that step.
+        """
+        device = self.sampler.device
+        uniforms = torch.empty(shape, dtype=torch.float32, device=device)
+        unseeded = [k for k, s in enumerate(states) if s.generator is None]
+        if unseeded:
+            uniforms[self._index(unseeded)] = torch.rand((len(unseeded), shape[1]), dtype=torch.float32, device=device)
+        for k, state in enumerate(states):
+            if state.generator is not None:
+                state.generator.manual_seed(state.step_seed())
+                if skip_uniform[k]:
+                    uniforms[k, :1].uniform_(generator=state.generator)  # overwritten below
+                uniforms[k].uniform_(generator=state.generator)
+        return uniforms.log_().neg_()
+
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[RequestSamplingState],
+        starts: list[int],
+        token_ids: list[list[int]],
+    ) -> list[list[Logprobs] | None]:
+        """Token i of a request's output: the raw log-softmax of its row i at that token, and the row's top-N."""
+        reqs = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not reqs:
+            return [None] * len(states)
+        rows = [starts[i] + j for i in reqs for j in range(len(token_ids[i]))]
+        raw_logprobs = logits[self._index(rows)].log_softmax(dim=-1)  # [len(rows), vocab], float32
+        tokens = self._index([t for i in reqs for t in token_ids[i]])
+        token_logprobs = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        counts = {i: min(states[i].params.logprobs, self.sampler.vocab_size) for i in reqs}
+        max_count = max(counts.values())
+        top_ids: list[list[int]] = [[] for _ in rows]
+        top_values: list[list[float]] = [[] for _ in rows]
+        if max_count > 0:
+            top = raw_logprobs.topk(max_count, dim=-1)  # sorted, most likely first
+            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        result: list[list[Logprobs] | None] = [None] * len(states)
+        offset = 0
+        for i in reqs:
+            n = counts[i]
+            result[i] = [
+                Logprobs(token_logprobs[k], top_ids[k][:n], top_values[k][:n])
+                for k in range(offset, offset + len(token_ids[i]))
+            ]
+            offset += len(token_ids[i])
+        return result
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=self.sampler.device)
+
+
+def _row_states(
+    states: Sequence[RequestSamplingState], draft_token_ids: Sequence[Sequence[int]]
+) -> list[RequestSamplingState]:
+    """One state per logits row: row j of a request sees its drafts d_1..d_j as already sampled.
+
+    Shallow copies (the generator is shared: it is re-seeded before every
+    draw); only rows whose penalties or step seed depend on the output get one.
+    """
+    row_states = []
+    for state, drafts in zip(states, draft_token_ids):
+        row_states.append(state)
+        needs_copy = state.params.uses_penalties or state.generator is not None
+        for j in range(1, len(drafts) + 1):
+            if needs_copy:
+                output_token_ids = state.output_token_ids + list(drafts[:j])
+                row_states.append(dataclasses.replace(state, output_token_ids=output_token_ids))
+            else:
+                row_states.append(state)
+    return row_states
+
+
+def _from_sampler_output(out: SamplerOutput) -> VerifiedTokens:
+    token_ids, request_logprobs = out.to_lists()
+    return VerifiedTokens(
+        token_ids=[[t] for t in token_ids],
+        logprobs=[
+            None if lp is None else [Logprobs(lp.sampled_logprob, lp.top_token_ids, lp.top_logprobs)]
+            for lp in request_logprobs
+        ],
+        num_draft_tokens=[0] * len(token_ids),
+        num_accepted=[0] * len(token_ids),
+    )
