@@ -10,6 +10,7 @@ from typing import Any
 
 from asyncpp.bench.compute_report import compute_cell, compute_lines, weight_mb
 from asyncpp.bench.kv_report import kv_hits, kv_lines, kv_rates
+from asyncpp.bench.spec_report import spec_cell, spec_lines
 
 WIDTH = 60
 
@@ -63,6 +64,9 @@ def run_block(run: dict[str, Any]) -> str:
         lines.append(f"{name:<40}{value:>20}")
 
     _metric_lines(lines, m)
+    if run.get("spec_decode"):  # right under output tok/s and TPOT, which drafting is meant to move
+        lines.append(" Speculative decoding (measured window) ".center(WIDTH, "-"))
+        lines += spec_lines(run["spec_decode"])
     if run.get("compute"):
         lines.append(" Compute ".center(WIDTH, "-"))
         lines += compute_lines(run["compute"])
@@ -109,6 +113,8 @@ def summary_table(result: dict[str, Any]) -> str:
     add("duration s", [fmt(m["duration_s"]) for m in ms], fmt(best.get("duration_s")))
     for name in ("ttft", "tpot", "itl"):
         add(f"{name.upper()} mean/p50/p99 ms", [triple(m, name) for m in ms], "-")
+    if any(r.get("spec_decode") for r in runs):
+        add("spec accept % / tok per draft", [spec_cell(r.get("spec_decode")) for r in runs], "-")
     for kind in ("cold", "warm"):
         if any(f"ttft_{kind}_ms" in m for m in ms):
             add(f"TTFT {kind} prefix p50/p99 ms", [_p50_p99(m.get(f"ttft_{kind}_ms")) for m in ms], "-")

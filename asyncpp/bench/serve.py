@@ -10,6 +10,10 @@
         --random-input-len 32 --burst-size 8 --burst-gap-s 0.5 \\
         --runs 'kv_transfer.connector="none";kv_transfer.connector="offload"'
 
+    # Speculative decoding: prompts that repeat a passage, with and without n-gram drafting
+    python -m asyncpp.bench --workload repetitive --random-input-len 200 --random-output-len 128 \\
+        --runs 'speculative.method="none";speculative.method="ngram"'
+
 Each run launches the engine (`python -m asyncpp.launch`) with the config's
 overrides, warms it up, sends the same requests through `AsyncClient` and
 shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
@@ -26,6 +30,10 @@ prefixes (asyncpp/bench/shared_prefix.py) and splits TTFT into cold (first
 burst of a prefix) and warm; `--burst-size` sends the requests in bursts, one
 after the other (asyncpp/bench/load.py). A run whose engine has a KV
 connector gets its transfers and prefix hits (asyncpp/bench/kv_report.py).
+
+`--workload repetitive` sends prompts that show a passage twice
+(asyncpp/bench/datasets.py); a run whose engine drafts gets its drafts and
+acceptance (asyncpp/bench/spec_report.py).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ import asyncpp
 from asyncpp.bench import report
 from asyncpp.bench.compute_report import compute_section
 from asyncpp.bench.cpu import window_cpu
-from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests
+from asyncpp.bench.datasets import BenchRequest, load_dataset, random_requests, repetitive_requests
 from asyncpp.bench.engine_proc import EngineStartError, launched_engine
 from asyncpp.bench.kv_report import kv_section
 from asyncpp.bench.load import LoadResult, run_load
@@ -62,6 +70,7 @@ from asyncpp.bench.memcpy import handoff_nbytes, time_memcpy_us
 from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, summarize_ratios
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
 from asyncpp.bench.shared_prefix import cold_warm_ttft, prefix_group, shared_prefix_requests
+from asyncpp.bench.spec_report import spec_section
 from asyncpp.engine.compute_plan import resolve_compute_plan
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.profiling import profiled
@@ -85,6 +94,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     ap.add_argument("--random-input-len", type=int, default=64, help="prompt length in words")
     ap.add_argument("--random-output-len", type=int, default=64, help="output length in tokens")
+    ap.add_argument("--workload", choices=("random", "repetitive"), default="random",
+                    help="synthetic prompts: random words, or repetitive: a passage of --random-input-len words, "
+                         "the passage again lightly edited, then its first words (default: %(default)s)")
     ap.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths drawn from len*(1 -/+ ratio)")
     ap.add_argument("--shared-prefix-len", type=int, default=0,
                     help="open each prompt with a shared prefix of this many words (0: off); "
@@ -119,6 +131,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         ap.error("--shared-prefix-len must be >= 0 and --shared-prefix-groups >= 1")
     if args.shared_prefix_len and args.dataset:
         ap.error("--shared-prefix-len builds its own prompts: not with --dataset")
+    if args.workload != "random" and (args.dataset or args.shared_prefix_len):
+        ap.error("--workload builds its own prompts: not with --dataset or --shared-prefix-len")
     if args.burst_size is not None and (args.burst_size < 1 or args.burst_gap_s < 0):
         ap.error("--burst-size must be >= 1 and --burst-gap-s >= 0")
     if args.burst_size and math.isfinite(args.request_rate):
@@ -136,7 +150,8 @@ def make_requests(args: argparse.Namespace) -> tuple[list[BenchRequest], list[Be
             args.random_output_len, burst_size=args.burst_size, range_ratio=args.random_range_ratio, seed=args.seed,
         )
     else:
-        requests = random_requests(
+        make = repetitive_requests if args.workload == "repetitive" else random_requests
+        requests = make(
             args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed
         )
     # As short as the shortest measured prompt, so warm-up cannot fail where the benchmark would not.
@@ -196,6 +211,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
         "cpu": cpu_section(load, metrics["total_output_tokens"]),
         "memcpy": memcpy_reference(config, dtype, metrics, stages["num_steps"]),
         "kv_transfer": kv_section(load.stats_before, load.stats_after),
+        "spec_decode": spec_section(load.stats_before, load.stats_after, config.speculative.method),
         "engine": {
             "pid": engine.pid,
             "exit_code": engine.proc.returncode,
