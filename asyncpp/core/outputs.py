@@ -7,7 +7,7 @@ stop strings).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -32,3 +32,9 @@ class SchedulerStats:
     num_waiting_for_remote_kvs: int = 0  # requests whose KV a connector is loading
     num_external_prefix_hit_tokens: int = 0  # total since start: loaded by the KV connector
     num_failed_load_tokens: int = 0  # total since start: the connector failed to load them; recomputed
+    # Speculative decoding, totals since start (vLLM's spec_decode_* counters): requests' steps that
+    # verified drafts, the draft tokens verified, those accepted, and accepted ones per draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)

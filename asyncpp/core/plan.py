@@ -31,10 +31,13 @@ class NewRequestData:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the tokens computed this step (a prefill chunk, one decode token or a placeholder)
+    token_ids: list[int]  # the tokens computed this step (a prefill chunk, a decode token and its drafts, or a placeholder)
     start_position: int  # == the request's num_computed_tokens before this step
     block_ids: list[int]  # the whole block table, covering start_position + len(token_ids)
     do_sample: bool  # this step reaches the last known token: sample the next one
+    # The last this many of `token_ids` are drafts (speculative decoding): each gets a logits row,
+    # and the last stage keeps the ones the target model agrees with, then samples one more.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.scheduled)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(r.num_draft_tokens for r in self.scheduled)
 
     @property
     def num_reqs(self) -> int:

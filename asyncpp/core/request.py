@@ -1,8 +1,9 @@
 """`Request`: the engine's per-request state, owned by the scheduler.
 
-Invariant: `num_computed_tokens <= num_tokens + num_placeholders`; the KV cache
-holds (or an in-flight plan is writing) the first `num_computed_tokens` tokens
-of `all_token_ids` followed by the placeholders. A request is in at most two
+Invariant: `num_computed_tokens <= num_tokens + num_placeholders + num_draft_tokens`;
+the KV cache holds (or an in-flight plan is writing) the first
+`num_computed_tokens` tokens of `all_token_ids` followed by the placeholders or
+the drafts being verified. A request is in at most two
 dispatched plans (`num_in_flight`): the one it was last scheduled in
 (`last_step_id`) and, with async scheduling, the one after it, whose input is
 the token that plan samples (a placeholder until its output is back). The
@@ -65,6 +66,11 @@ class Request:
     num_in_flight: int = 0  # dispatched plans holding it whose output is not back
     last_step_id: int = -1  # the plan it was last scheduled in
     num_placeholders: int = 0  # tokens scheduled before they were sampled (async scheduling)
+    # Speculative decoding: the proposer's guesses at the tokens after the last one, from the
+    # request's latest output (never part of its tokens until verified), and how many of them
+    # its in-flight plan verifies (their KV is written, then rolled back where rejected).
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # From the client, for the KV connector (prefill/decode disaggregation: where the prompt's KV is).
     kv_transfer_params: dict[str, Any] | None = None

@@ -25,6 +25,17 @@ Contract
   by `step_id`. A request that should have sampled but got no token (a failed
   step) is rolled back to the step's start, to be recomputed or finished by
   the caller.
+* Speculative decoding (a `DraftPolicy`): a decode step may also verify the
+  drafts the proposer made from the request's latest output (`draft_token_ids`
+  of `update_from_output`); the policy says how many. They are scheduled after
+  its last token (`num_draft_tokens`), within the token budget, `max_tokens`
+  and `max_model_len`, with KV allocated for them, but never enter
+  `all_token_ids`, so never a block hash or a connector's save. The output
+  brings the accepted drafts and one more token; `num_computed_tokens` and the
+  blocks past it roll back over the rejected ones. A request whose step
+  verifies drafts is not continued before its output is back (what the next
+  step computes depends on how many are accepted), and neither is one whose
+  latest output brought drafts the policy would verify: it waits for fresh ones.
 * A request finished while in flight (abort, stop string) frees its blocks
   now; its late output is dropped, and its id stays taken until that plan is
   back, so a new request cannot inherit the old one's in-flight step.
@@ -90,6 +101,7 @@ from asyncpp.core.stop import check_stop
 from asyncpp.kv.block_manager import BlockManager
 from asyncpp.kv_transfer.base import KVConnectorScheduler
 from asyncpp.kv_transfer.metadata import KVConnectorOutput
+from asyncpp.speculative.policy import DraftPolicy
 
 
 class Scheduler(KVTransferScheduling):
@@ -104,8 +116,10 @@ class Scheduler(KVTransferScheduling):
         async_scheduling: bool = False,
         connector: KVConnectorScheduler | None = None,
         clock: Callable[[], float] = time.monotonic,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
-        """`clock`: what KV transfer deadlines are measured with (tests pass their own)."""
+        """`clock`: what KV transfer deadlines are measured with (tests pass their own).
+        `draft_policy`: speculative decoding's (None: off)."""
         for name, value in (
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -140,6 +154,10 @@ class Scheduler(KVTransferScheduling):
         self._finished_req_ids: list[str] = []  # for the next plan
         self._next_step_id = 0
         self._num_preemptions = 0
+        self.draft_policy = draft_policy
+        k = draft_policy.num_speculative_tokens if draft_policy is not None else 0
+        self._spec_counts = [0, 0, 0]  # drafts (request steps), draft tokens, accepted tokens
+        self._spec_accepted_per_pos = [0] * k
         self._init_kv_transfer(connector, clock)
 
     # ------------------------------------------------------------------ queries
@@ -178,6 +196,10 @@ class Scheduler(KVTransferScheduling):
             num_waiting_for_remote_kvs=len(self._waiting_for_remote),
             num_external_prefix_hit_tokens=self.num_external_hit_tokens,
             num_failed_load_tokens=self.num_failed_load_tokens,
+            spec_decode_num_drafts=self._spec_counts[0],
+            spec_decode_num_draft_tokens=self._spec_counts[1],
+            spec_decode_num_accepted_tokens=self._spec_counts[2],
+            spec_decode_num_accepted_tokens_per_pos=list(self._spec_accepted_per_pos),
         )
 
     # ------------------------------------------------------------------ requests
@@ -240,29 +262,37 @@ class Scheduler(KVTransferScheduling):
         step = StepBuilder(self._next_step_id, self.max_num_batched_tokens, max_num_reqs, num_prefill_budget)
         is_blocked = False  # a running request was preempted or stalled: admit nobody new
         running = self._queues.running
+        num_step_reqs = len(running) if max_num_reqs is None else min(len(running), max_num_reqs)
         i = 0
         while i < len(running) and step.has_room:
             request = running[i]
-            if request.is_in_flight and not self._can_continue(request, after_step_id):
+            if request.is_in_flight and not self._can_continue(request, after_step_id, num_step_reqs):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
             num_placeholders = 0
+            drafts = None
             if num_new_tokens == 0:  # its plan in flight samples the next token
                 num_new_tokens = num_placeholders = 1
+            elif num_new_tokens == 1 and request.draft_token_ids and self.draft_policy is not None:
+                drafts = self._drafts_to_verify(request, step.num_budget_tokens - 1, num_step_reqs)
+                num_new_tokens += len(drafts)
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 i += 1
                 continue
             num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
-            if num_new_tokens > 1:  # a prompt chunk (or a recompute)
+            is_chunk = num_new_tokens > 1 and not drafts  # a prompt chunk (or a recompute)
+            if is_chunk:
                 if step.num_prefill_budget == 0:
                     i += 1
                     continue
                 num_new_tokens = min(num_new_tokens, step.num_prefill_budget)
-            if self._allocate_running(request, num_new_tokens, num_placeholders):
-                if num_new_tokens > 1:
+            num_lookahead = num_placeholders + (len(drafts) if drafts else 0)
+            if self._allocate_running(request, num_new_tokens, num_lookahead):
+                if is_chunk:
                     step.num_prefill_budget -= num_new_tokens
-                step.add(request, num_new_tokens, self._block_manager.block_ids(request.request_id), num_placeholders)
+                block_ids = self._block_manager.block_ids(request.request_id)
+                step.add(request, num_new_tokens, block_ids, num_placeholders, drafts)
             else:
                 is_blocked = True
             if request.status is RequestStatus.RUNNING:  # else it preempted itself and left the list
@@ -291,9 +321,12 @@ class Scheduler(KVTransferScheduling):
         plan: StepPlan,
         sampled_token_ids: dict[str, list[int]],
         kv_connector_output: KVConnectorOutput | None = None,
+        draft_token_ids: dict[str, list[int]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply one returned plan's sampled tokens and the KV connector's output merged over every stage.
 
+        A request that verified drafts gets the accepted ones and one more token; `draft_token_ids`
+        are the proposer's guesses for each sampled request's next step (speculative decoding).
         Returns an update per request that got tokens or finished.
         """
         if kv_connector_output is not None and self.connector is not None:
@@ -323,9 +356,16 @@ class Scheduler(KVTransferScheduling):
                 # request after it computed garbage too: the caller must then finish the request).
                 request.num_computed_tokens = scheduled.start_position
                 request.num_placeholders = 0
+                request.num_draft_tokens = 0
+                request.draft_token_ids = []
                 continue
+            token_ids = sampled_token_ids[scheduled.request_id]
+            if scheduled.num_draft_tokens:
+                self._roll_back_rejected(request, scheduled.num_draft_tokens, len(token_ids) - 1)
+            if draft_token_ids is not None:
+                request.draft_token_ids = draft_token_ids.get(scheduled.request_id) or []
             new_token_ids = []
-            for token_id in sampled_token_ids[scheduled.request_id]:
+            for token_id in token_ids:
                 request.output_token_ids.append(token_id)
                 if request.num_placeholders:  # the plan after this one computes this token
                     request.num_placeholders -= 1
@@ -362,9 +402,11 @@ class Scheduler(KVTransferScheduling):
                 num_tokens += num_left
         return num_tokens
 
-    def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
+    def _can_continue(self, request: Request, after_step_id: int | None, num_step_reqs: int = 1) -> bool:
         """May an in-flight request be scheduled in the plan after `after_step_id`?"""
         if request.num_in_flight != 1:
+            return False
+        if request.num_draft_tokens:  # how many tokens it has next depends on how many are accepted
             return False
         if request.num_computed_tokens < request.num_tokens:  # the next prompt chunk: its tokens are known
             return self.async_scheduling or request.last_step_id == after_step_id
@@ -373,10 +415,47 @@ class Scheduler(KVTransferScheduling):
         # The token its plan samples is its last unless stop checks finish it; do not compute a
         # token after one that finishes it by length for sure.
         num_output_tokens = request.num_output_tokens + 1
+        if (
+            request.draft_token_ids
+            and self.draft_policy is not None
+            and self.draft_policy.would_draft(request.request_id, num_step_reqs)
+        ):
+            return False  # it drafts: wait for the guesses its plan in flight makes
         return (
             num_output_tokens < request.sampling_params.max_tokens
             and request.num_tokens + 1 < self.max_model_len
         )
+
+    def _drafts_to_verify(self, request: Request, num_budget: int, num_step_reqs: int) -> list[int]:
+        """The drafts a decode step of `request` verifies: what the policy wants of the proposer's, so
+        that the step can neither pass `max_tokens` nor `max_model_len` nor the token budget."""
+        num_room = min(
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+            num_budget,
+        )
+        num_available = min(len(request.draft_token_ids), num_room)
+        num_drafts = self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
+        return request.draft_token_ids[:num_drafts]
+
+    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts and accepted `num_accepted`: the KV of the rejected ones
+        is not the request's (computed from wrong tokens), and the blocks holding only them go."""
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(
+                f"request {request.request_id!r}: {num_accepted} drafts accepted of the {num_drafts} verified"
+            )
+        request.num_draft_tokens = 0
+        request.num_computed_tokens -= num_drafts - num_accepted
+        # Its next step's slot (the token sampled now) stays; blocks only past it hold drafts.
+        self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
+        self.draft_policy.observe_acceptance(request.request_id, num_drafts, num_accepted)
+        counts = self._spec_counts
+        counts[0] += 1
+        counts[1] += num_drafts
+        counts[2] += num_accepted
+        for pos in range(num_accepted):
+            self._spec_accepted_per_pos[pos] += 1
 
     def _allocate_running(self, request: Request, num_new_tokens: int, num_placeholders: int = 0) -> bool:
         """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
@@ -483,6 +562,8 @@ class Scheduler(KVTransferScheduling):
         self._release_blocks(request)
 
     def _forget(self, request: Request) -> None:
+        if self.draft_policy is not None:
+            self.draft_policy.forget(request.request_id)
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
             self._queues.forget(request.request_id)

@@ -46,8 +46,8 @@ if TYPE_CHECKING:
 class KVTransferScheduling:
     """Mixed into `Scheduler`, whose `_forget(request)` it calls."""
 
-    _block_manager: "BlockManager"
-    _queues: "RequestQueues"
+    _block_manager: BlockManager
+    _queues: RequestQueues
     _next_step_id: int
 
     def _init_kv_transfer(self, connector: KVConnectorScheduler | None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -252,6 +252,7 @@ class KVTransferScheduling:
                 scheduled=scheduled,
                 block_ids={s.request_id: s.block_ids for s in step.scheduled},
                 block_hashes={s.request_id: bm.block_hashes(s.request_id) for s in step.scheduled},
+                num_draft_tokens={s.request_id: s.num_draft_tokens for s in step.scheduled if s.num_draft_tokens},
             )
         )
         if self._unsent_held or self._unsent_aborted:

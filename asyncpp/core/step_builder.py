@@ -29,28 +29,41 @@ class StepBuilder:
     def has_room(self) -> bool:
         return self.num_budget_tokens > 0 and (self.max_num_reqs is None or len(self.scheduled) < self.max_num_reqs)
 
-    def add(self, request: Request, num_new_tokens: int, block_ids: list[int], num_placeholders: int = 0) -> None:
+    def add(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        block_ids: list[int],
+        num_placeholders: int = 0,
+        draft_token_ids: list[int] | None = None,
+    ) -> None:
         """Schedule `num_new_tokens` of `request` from its first uncomputed one; with placeholders,
-        that many tokens the plan in flight before this one samples (its first stage fills them in)."""
+        that many tokens the plan in flight before this one samples (its first stage fills them in);
+        with drafts, the last `len(draft_token_ids)` of them are those guesses, to be verified."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
+        num_drafts = len(draft_token_ids) if draft_token_ids else 0
         if num_placeholders:
             token_ids = [PLACEHOLDER_TOKEN_ID] * num_placeholders
             self.has_placeholders = True
         else:
-            token_ids = request.token_ids_between(start, end)
+            token_ids = request.token_ids_between(start, end - num_drafts)
+        if num_drafts:
+            token_ids = token_ids + list(draft_token_ids)
         self.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=token_ids,
                 start_position=start,
                 block_ids=block_ids,
-                do_sample=end == request.num_tokens + request.num_placeholders + num_placeholders,
+                do_sample=end - num_drafts == request.num_tokens + request.num_placeholders + num_placeholders,
+                num_draft_tokens=num_drafts,
             )
         )
         self.cohort.append(request)
         self.num_budget_tokens -= num_new_tokens
         request.num_computed_tokens = end
         request.num_placeholders += num_placeholders
+        request.num_draft_tokens = num_drafts
         request.num_in_flight += 1
         request.last_step_id = self.step_id

@@ -33,7 +33,7 @@ from the cache. Both only grow (a lookup retried on a later step counts again).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 from asyncpp.kv.block_hash import BlockHash, hash_block
 
@@ -204,6 +204,24 @@ class BlockManager:
             computed_block_ids,
             num_lookahead_tokens=num_external_tokens,
         )
+
+    def trim(self, request_id: str, num_tokens: int) -> list[int]:
+        """Release the request's blocks past the first `num_tokens` tokens (rejected drafts held only
+        there). Such blocks were never full of known tokens, so never hashed. Returns their ids."""
+        table = self._block_tables.get(request_id)
+        num_kept = -(-max(0, num_tokens) // self.block_size)
+        if table is None or len(table) <= num_kept:
+            return []
+        released = table[num_kept:]
+        del table[num_kept:]
+        for block_id in reversed(released):
+            if self._block_hash[block_id] is not None:
+                raise RuntimeError(f"request {request_id!r}: block {block_id} past its tokens is hashed")
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+                self._free_queue.move_to_end(block_id, last=False)
+        return released
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (no-op for an unknown id). Cached ones stay hit-able until evicted."""

@@ -110,6 +110,9 @@ class PlanInfo:
     scheduled: list[tuple[Request, int, int]]
     block_ids: dict[str, list[int]]  # request id -> its whole block table
     block_hashes: dict[str, list[bytes]]  # request id -> hashes of its full blocks whose tokens are known
+    # request id -> how many of its scheduled positions (the last ones) are drafts (speculative
+    # decoding): unverified, their KV is rolled back where rejected, and it is never to be saved.
+    num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
 class KVConnectorScheduler(ABC):
