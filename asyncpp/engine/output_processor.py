@@ -48,11 +48,18 @@ class OutputProcessor:
         stop_reason: int | str | None,
         logprobs: list[Logprobs] | None = None,
     ) -> RequestOutput | None:
-        """Delta for one request's new tokens; sets `stop_reason` to the stop string if one was hit."""
+        """Delta for one request's new tokens; sets `stop_reason` to the stop string if one was hit.
+        Several tokens (speculative decoding) end at the one that completes a stop string: the
+        delta has no token, text or logprob past it."""
         tracked = self._tracked.get(request_id)
         if tracked is None:
             return None
-        delta = tracked.detokenizer.add_tokens(new_token_ids) if new_token_ids else None
+        delta = None
+        if new_token_ids:
+            delta, num_taken = tracked.detokenizer.add_tokens_until_stop(new_token_ids)
+            if num_taken < len(new_token_ids):
+                new_token_ids = new_token_ids[:num_taken]
+                logprobs = logprobs[:num_taken] if logprobs is not None else None
         text = delta.text if delta is not None else ""
         if delta is not None and delta.stop_string is not None:
             finish_reason, stop_reason = "stop", delta.stop_string

@@ -78,6 +78,23 @@ class IncrementalDetokenizer:
             return DetokenizerDelta(new_text, None)
         return self._emit(new_text, is_final=False)
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
+    def add_tokens_until_stop(self, new_token_ids: Sequence[int]) -> tuple[DetokenizerDelta, int]:
+        """Like `add_tokens`, one token at a time, stopping at the token that completes a stop string.
+        Returns the delta and how many of `new_token_ids` it took (the rest come after the stop)."""
+        if len(new_token_ids) <= 1 or not self._stops:
+            return self.add_tokens(new_token_ids), len(new_token_ids)
+        texts = []
+        for i, token_id in enumerate(new_token_ids):
+            delta = self.add_tokens([token_id])
+            texts.append(delta.text)
+            if delta.stop_string is not None:
+                return DetokenizerDelta("".join(texts), delta.stop_string), i + 1
+        return DetokenizerDelta("".join(texts), None), len(new_token_ids)
+
     def flush(self) -> str:
         """Release held text when the request ends without a stop string."""
         if self._is_finished or self.stop_string is not None:

@@ -4,8 +4,10 @@
    and run the slice. A non-last stage returns the `IntermediateTensors` to
    hand to the next stage. The last stage computes logits for the requests
    that sample and keeps them in an explicit `ExecuteModelState`.
-2. `sample_tokens()` (last stage only): sample from that state, run the
-   speculative proposer hook, then the KV connector's `post_forward`, and
+2. `sample_tokens()` (last stage only): sample from that state (verifying the
+   drafts a request's row carries: `asyncpp.speculative.rejection`), run the
+   speculative proposer (its drafts go out with the sampled tokens, tagged by
+   request in this step's output), then the KV connector's `post_forward`, and
    return the step's `ModelRunnerOutput`. A non-last stage ends its step with
    `finish_step()` instead (after handing off its activations), which returns
    `ModelRunnerOutput.with_kv_conn_output_only(...)`.
@@ -36,6 +38,8 @@ from asyncpp.kernels.triton_attention import triton_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
+from asyncpp.speculative.proposer import Proposer
+from asyncpp.speculative.rejection import RejectionSampler
 from asyncpp.worker.cuda_graphs import DecodeGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
@@ -48,9 +52,11 @@ class ExecuteModelState:
 
     step_id: int
     sampling_req_ids: list[str]
-    logits: torch.Tensor | None  # [num_sampling_reqs, vocab_size]; None when nothing samples
+    logits: torch.Tensor | None  # [num logits rows, vocab_size]; None when nothing samples
     finished_req_ids: frozenset[str]  # for the KV connector's post_forward (never its output)
     has_forward: bool = True  # False for a plan with no tokens: the connector is only polled
+    # Per sampling request, the drafts its rows verify (one row each before its last); None: no drafts.
+    draft_token_ids: list[list[int]] | None = None
 
 
 class ModelRunner:
@@ -70,12 +76,15 @@ class ModelRunner:
         isa: str | None = None,
         pp_rank: int = 0,
         layer_range: tuple[int, int] | None = None,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         """`layer_range`: the layers this stage runs when a plan names no `layer_bounds` (None: every
         layer of `model`, which may hold more: `parallel.shift_layers`); `pp_rank` finds its range in
         a plan's bounds. `graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
         plain replays on CPU); they need the decode kernel, `max_model_len` and a `pad_slot` past the
-        engine's blocks. `isa`: the level CPU kernels are built for (None: the CPU's best)."""
+        engine's blocks. `isa`: the level CPU kernels are built for (None: the CPU's best).
+        `proposer` (last stage): drafts up to `num_speculative_tokens` tokens per sampled request."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
@@ -97,6 +106,11 @@ class ModelRunner:
         self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
         self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
         self.sampler = Sampler(model.arch.vocab_size, self.device, isa) if model.is_last else None
+        self.rejection_sampler = RejectionSampler(self.sampler) if self.sampler is not None else None
+        if proposer is not None and not model.is_last:
+            raise ValueError("a proposer runs on the last stage only")
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
         self.execute_state: ExecuteModelState | None = None
@@ -174,7 +188,9 @@ class ModelRunner:
         if not self.is_last:
             return out
         logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None
-        self.execute_state = ExecuteModelState(plan.step_id, inputs.sampling_req_ids, logits, finished)
+        self.execute_state = ExecuteModelState(
+            plan.step_id, inputs.sampling_req_ids, logits, finished, draft_token_ids=inputs.draft_token_ids
+        )
         return None
 
     def _layer_range(self, plan: StepPlan) -> tuple[int, int]:
@@ -195,7 +211,8 @@ class ModelRunner:
         if state is None or not self.is_last:
             raise RuntimeError("sample_tokens() without a preceding execute_model() on the last stage")
         output = self._sample(state) if state.logits is not None else None
-        self.propose_drafts(state, output)
+        if output is not None and self.proposer is not None:
+            output = dataclasses.replace(output, draft_token_ids=self.propose_drafts(output.req_ids))
         kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
         if output is None:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
@@ -216,22 +233,28 @@ class ModelRunner:
         kv_output = self.kv_connector.abort_step(plan, is_forward_done=self.forward_step_id == plan.step_id)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
-    def propose_drafts(self, state: ExecuteModelState, output: ModelRunnerOutput | None) -> None:
-        """Speculative decoding's proposer runs here, after sampling and before the connector (none yet)."""
+    def propose_drafts(self, req_ids: list[str]) -> list[list[int]]:
+        """The proposer's drafts for each request that just sampled, after sampling and before the
+        connector's post_forward (seed 003); they go out tagged with the request in this step's output."""
+        k = self.num_speculative_tokens
+        return [self.proposer.propose(req_id, k) for req_id in req_ids]
 
     def _sample(self, state: ExecuteModelState) -> ModelRunnerOutput:
         req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
-        out = self.sampler(state.logits, req_states)
-        token_ids = out.sampled_token_ids.tolist()
-        for req_state, token_id in zip(req_states, token_ids):
-            req_state.output_token_ids.append(token_id)
+        if state.draft_token_ids is not None:
+            verified = self.rejection_sampler(state.logits, req_states, state.draft_token_ids)
+            sampled, logprobs = verified.token_ids, verified.logprobs
+        else:
+            out = self.sampler(state.logits, req_states)
+            sampled = [[t] for t in out.sampled_token_ids.tolist()]
+            logprobs = _logprobs_lists(out, req_states)
+        for req_id, req_state, token_ids in zip(state.sampling_req_ids, req_states, sampled):
+            req_state.output_token_ids.extend(token_ids)
+            if self.proposer is not None:
+                self.proposer.extend(req_id, token_ids)
         if self.model.is_first:
-            self.record_sampled(state.sampling_req_ids, token_ids)
-        return ModelRunnerOutput(
-            req_ids=state.sampling_req_ids,
-            sampled_token_ids=[[t] for t in token_ids],
-            logprobs=_logprobs_lists(out, req_states),
-        )
+            self.record_sampled(state.sampling_req_ids, [ids[-1] for ids in sampled])
+        return ModelRunnerOutput(req_ids=state.sampling_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
     def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
         """First stage: the tokens a step sampled, for the placeholders of later plans."""
@@ -241,9 +264,13 @@ class ModelRunner:
         for req_id in plan.finished_req_ids:
             self.sampling_states.pop(req_id, None)
             self.sampled_token_ids.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.finish(req_id)
         if not self.is_last:
             return
         for new in plan.new_requests:
+            if self.proposer is not None:  # resumed after preemption: rebuilt from its tokens so far
+                self.proposer.start(new.request_id, [*new.prompt_token_ids, *new.output_token_ids])
             # A request resumed after preemption simply gets a fresh state: seeded rows are
             # reseeded from (seed, tokens so far) before every draw, so nothing carries over.
             self.sampling_states[new.request_id] = RequestSamplingState.create(

@@ -10,26 +10,28 @@ import time
 
 import torch
 
-from asyncpp.config import EngineConfig
+from asyncpp.config import EngineConfig, SpeculativeConfig
 from asyncpp.device import is_cuda
 from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kernels.fused_ops import fused_ops
-from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel
-from asyncpp.kv.sizing import num_blocks_for_budget
-from asyncpp.logging import get_logger
-from asyncpp.model.arch import ModelArch
 from asyncpp.kernels.isa import native_level
 from asyncpp.kernels.layer_stack import LayerStack
+from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel
 from asyncpp.kernels.qlinear import qlinear_kernel
+from asyncpp.kv.sizing import num_blocks_for_budget
+from asyncpp.kv_transfer.base import KVConnectorWorker
+from asyncpp.logging import get_logger
+from asyncpp.model.arch import ModelArch
 from asyncpp.model.llama import LlamaModel
 from asyncpp.model.native_linear import NativeKernel, NativeWeights
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
+from asyncpp.speculative.proposer import create_proposer
 from asyncpp.weights import load_weights
 from asyncpp.weights.base import StoredTensor
 from asyncpp.worker.kv_cache import allocate_kv_caches
-from asyncpp.kv_transfer.base import KVConnectorWorker
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.model_runner import ModelRunner
+
 
 def build_model_slice(
     source: str,
@@ -149,11 +151,12 @@ def build_runner(
     pp_rank: int = 0,
     layer_range: tuple[int, int] | None = None,
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
     their padding rows' K/V there. `shared_kv`: the caches of layers held with a neighbouring
     stage (global layer index -> (K, V), `parallel.shift_layers`); the others are allocated here.
-    `layer_range`, `pp_rank`: see `ModelRunner`."""
+    `layer_range`, `pp_rank`: see `ModelRunner`. `speculative`: the last stage gets its proposer."""
     num_allocated = num_blocks + 1 if graph_sizes else num_blocks
     shared_kv = shared_kv or {}
     own = [i for i in range(model.start_layer, model.end_layer) if i not in shared_kv]
@@ -174,4 +177,6 @@ def build_runner(
         isa=isa,
         pp_rank=pp_rank,
         layer_range=layer_range,
+        proposer=create_proposer(speculative) if speculative is not None and model.is_last else None,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
     )

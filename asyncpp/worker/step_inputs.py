@@ -24,8 +24,11 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] view of the persistent buffer
     positions: torch.Tensor  # [num_tokens] view of the persistent buffer
     attn_meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampling_reqs] last token row of each request that samples
+    # The rows logits are computed for: per request that samples, its last token row, preceded by
+    # one row per draft it verifies (speculative decoding), in request order.
+    logits_indices: torch.Tensor
     sampling_req_ids: list[str]
+    draft_token_ids: list[list[int]] | None = None  # per sampling request; None when no request has drafts
 
 
 class StepInputBuffers:
@@ -71,13 +74,23 @@ class StepInputBuffers:
 
         last_rows = np.cumsum(num_new) - 1
         do_sample = np.fromiter((r.do_sample for r in reqs), dtype=bool, count=len(reqs))
+        sampling = [r for r, s in zip(reqs, do_sample) if s]
+        logits_rows = last_rows[do_sample]
+        draft_token_ids = None
+        if any(r.num_draft_tokens for r in sampling):
+            num_drafts = np.fromiter((r.num_draft_tokens for r in sampling), dtype=np.int64, count=len(sampling))
+            num_rows = num_drafts + 1
+            first_rows = np.repeat(logits_rows - num_drafts - np.cumsum(num_rows) + num_rows, num_rows)
+            logits_rows = first_rows + np.arange(int(num_rows.sum()))
+            draft_token_ids = [list(r.token_ids[len(r.token_ids) - r.num_draft_tokens :]) for r in sampling]
         return StepInputs(
             num_tokens=num_tokens,
             input_ids=self.input_ids[:num_tokens],
             positions=self.positions[:num_tokens],
             attn_meta=meta,
-            logits_indices=torch.from_numpy(last_rows[do_sample]).to(self.device),
-            sampling_req_ids=[r.request_id for r, s in zip(reqs, do_sample) if s],
+            logits_indices=torch.from_numpy(logits_rows).to(self.device),
+            sampling_req_ids=[r.request_id for r in sampling],
+            draft_token_ids=draft_token_ids,
         )
 
 
