@@ -45,9 +45,10 @@ from asyncpp.runtime.cpu_affinity import stage_cpu_lists, usable_cpu_ids
 from asyncpp.runtime.engine_server import EngineServer
 from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.sampling.params import SamplingParams
+from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
-from asyncpp.weights import read_arch
 from asyncpp.transport import transport_for
+from asyncpp.weights import read_arch
 from asyncpp.wire.queues import RouterQueue
 from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import decode_graph_sizes
@@ -113,6 +114,7 @@ def stage_args_for(
             log_level=ns.log_level,
             log_file=ns.log_file,
             run_layers=capacity.layer_ranges[rank],
+            speculative=config.speculative if config.speculative.is_enabled else None,
         )
         for rank, (start, end) in enumerate(capacity.held_ranges)
     ]
@@ -150,6 +152,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         # Before any stage starts: a bad connector name or store fails here, naming its key.
         kv_ctx = kv_connector_context(config, arch, capacity.layer_ranges, addresses.run_id, plan.dtype)
         kv_connector = create_scheduler_connector(kv_ctx, config.kv_transfer.module)
+        create_proposer(config.speculative)  # an unknown speculative.method: here, naming the key
     except Exception:
         shutil.rmtree(addresses.run_dir, ignore_errors=True)
         raise
@@ -262,7 +265,7 @@ async def stop_http(proc: asyncio.subprocess.Process) -> None:
         proc.terminate()
         try:
             await asyncio.wait_for(proc.wait(), 5.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proc.kill()
             await proc.wait()
 

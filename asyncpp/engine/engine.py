@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from asyncpp.config import ConfigError, EngineConfig
+from asyncpp.config import ConfigError, EngineConfig, SpeculativeConfig
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
@@ -52,6 +52,8 @@ from asyncpp.model.split import (
     shift_windows,
 )
 from asyncpp.sampling.params import SamplingParams
+from asyncpp.speculative.policy import DraftPolicy
+from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
@@ -131,6 +133,15 @@ def kv_connector_context(
     )
 
 
+def draft_policy(config: SpeculativeConfig) -> DraftPolicy | None:
+    """Speculative decoding's policy for the scheduler; None when it is off. An unknown proposer
+    name fails here, naming `speculative.method`."""
+    if not config.is_enabled:
+        return None
+    create_proposer(config)
+    return DraftPolicy(config.num_speculative_tokens, config.adaptive)
+
+
 def set_stage_handshakes(
     connector: KVConnectorScheduler, handshakes: dict[tuple[int, int], KVHandshakeMetadata]
 ) -> None:
@@ -173,6 +184,7 @@ class EngineCore:
             enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
             async_scheduling=config.scheduler.async_scheduling,
             connector=kv_connector,
+            draft_policy=draft_policy(config.speculative),
         )
         self.kv_connector = kv_connector
         self.kv_transfer_stats = KVTransferStats()
@@ -250,15 +262,20 @@ class EngineCore:
         """One step's outputs, one per stage (the last stage's holds the sampled tokens)."""
         output = outputs[-1]
         logprobs = dict(zip(output.req_ids, output.logprobs, strict=True))
-        updates = self.scheduler.update_from_output(plan, output.sampled_by_request(), self.merge_kv_outputs(outputs))
+        updates = self.scheduler.update_from_output(
+            plan, output.sampled_by_request(), self.merge_kv_outputs(outputs), output.drafts_by_request()
+        )
         results = []
         for update in updates:
+            token_logprobs = logprobs.get(update.request_id)
+            if token_logprobs is not None:  # several tokens in a step: none past a stop
+                token_logprobs = token_logprobs[: len(update.new_token_ids)]
             out = self.output_processor.process(
                 update.request_id,
                 update.new_token_ids,
                 update.finish_reason,
                 update.stop_reason,
-                logprobs.get(update.request_id),
+                token_logprobs,
             )
             if out is None:
                 continue
@@ -346,6 +363,7 @@ class Engine(EngineCore):
                 pp_rank=rank,
                 layer_range=capacity.layer_ranges[rank],
                 shared_kv={i: kv for i, kv in shared_kv.items() if start <= i < end},
+                speculative=config.speculative if config.speculative.is_enabled else None,
             )
             runner.build_graphs()
             runners.append(runner)
@@ -410,6 +428,8 @@ class Engine(EngineCore):
             return self._fail_step(plan, executed.outputs, executed.errors)
         if self.balancer is not None:
             self.balancer.observe(plan, self.executor.busy_s)
+        if self.scheduler.draft_policy is not None:
+            self.scheduler.draft_policy.observe_step(plan.num_tokens, sum(self.executor.busy_s))
         results = self.process_output(plan, executed.outputs)
         if failed := self.take_failed_requests():  # a KV load within the step failed: what they
             failed_ids = {request_id for request_id, _ in failed}  # sampled came from missing KV

@@ -1,16 +1,24 @@
 """Prometheus metrics with vLLM's names where they mean the same.
 
-Engine-wide gauges (running and waiting requests, KV-cache usage) are read
-from the engine's stats when `/metrics` is scraped; the counters and
-histograms are kept here, per request served over HTTP (requests of native
-clients are not in them).
+Engine-wide gauges (running and waiting requests, KV-cache usage) and
+speculative decoding's counters (`vllm:spec_decode_*`, totals since the
+engine started, every client's requests) are read from the engine's stats
+when `/metrics` is scraped; the other counters and histograms are kept here,
+per request served over HTTP (requests of native clients are not in them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -39,8 +47,10 @@ class HttpMetrics:
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels, buckets=_LATENCY_BUCKETS, registry=r
         )
         self.model_name = model_name
+        self.spec_decode = _SpecDecodeCounters(model_name)
+        r.register(self.spec_decode)
 
-    def request_done(self, record: "RequestTimes", finish_reason: str | None) -> None:
+    def request_done(self, record: RequestTimes, finish_reason: str | None) -> None:
         m = self.model_name
         self.prompt_tokens.labels(m).inc(record.num_prompt_tokens)
         self.generation_tokens.labels(m).inc(record.num_output_tokens)
@@ -62,7 +72,38 @@ class HttpMetrics:
             total = stats.get("num_kv_blocks") or 0
             used = total - stats.get("num_free_kv_blocks", total)
             self.kv_usage.labels(m).set(used / total if total else 0.0)
+            self.spec_decode.stats = stats
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's speculative decoding counters, from the engine's totals (absent while it is off)."""
+
+    _TOTALS = (
+        ("num_drafts", "Requests' steps that verified drafts."),
+        ("num_draft_tokens", "Draft tokens verified."),
+        ("num_accepted_tokens", "Draft tokens accepted."),
+    )
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        per_pos = self.stats.get("spec_decode_num_accepted_tokens_per_pos")
+        if not per_pos:  # speculative decoding is off
+            return
+        for name, doc in self._TOTALS:
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], self.stats.get(f"spec_decode_{name}", 0))
+            yield family
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            labels=["model_name", "position"],
+        )  # fmt: skip
+        for position, count in enumerate(per_pos):
+            family.add_metric([self.model_name, str(position)], count)
+        yield family
 
 
 class RequestTimes:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncpp.config import SpeculativeConfig
 from asyncpp.core.plan import StepPlan
 from asyncpp.device import indexed_device, is_cuda
 from asyncpp.kv_transfer.base import ConnectorContext
@@ -58,7 +59,12 @@ from asyncpp.wire.stage_msgs import (
 from asyncpp.worker.model_runner import ModelRunner
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.shared_kv import SharedKVSegment
-from asyncpp.worker.stage import build_model_slice, build_runner, stage_num_blocks, torch_dtype
+from asyncpp.worker.stage import (
+    build_model_slice,
+    build_runner,
+    stage_num_blocks,
+    torch_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class StageArgs:
     log_level: str = "info"
     log_file: str | None = None
     run_layers: tuple[int, int] | None = None  # the layers a plan without `layer_bounds` runs; None: all held
+    speculative: SpeculativeConfig | None = None  # speculative decoding: the last stage runs the proposer
 
     @property
     def is_first(self) -> bool:
@@ -250,6 +257,7 @@ class Stage:
             pp_rank=a.pp_rank,
             layer_range=a.run_layers,
             shared_kv=shared_kv,
+            speculative=a.speculative,
         )
         # The graphs read the ring's slots in place: the previous stage's write is the only copy.
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)

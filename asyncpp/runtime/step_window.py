@@ -153,6 +153,7 @@ class StepWindow:
                         step_id=plan.step_id,
                         num_reqs=plan.num_reqs,
                         num_tokens=plan.num_tokens,
+                        num_drafts=plan.num_draft_tokens,
                         after_step_id=plan.after_step_id,
                         num_threads=plan.num_threads,
                         layer_bounds=plan.layer_bounds,
@@ -271,6 +272,8 @@ class StepWindow:
             results = self.core.process_output(step.plan, self._stage_outputs(step))
             if self.balancer is not None:
                 self.balancer.observe(step.plan, [step.outputs[rank].busy_s for rank in range(self.pp_size)])
+            if (policy := self.core.scheduler.draft_policy) is not None:  # what a wider step costs
+                policy.observe_step(step.plan.num_tokens, sum(o.busy_s for o in step.outputs.values()))
             self._log_completed(step)  # before the next dispatch: the log shows the true window
             failed = self.core.take_failed_requests()  # a KV load within the step failed
             for request_id, why in failed:
