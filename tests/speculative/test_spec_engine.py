@@ -52,11 +52,16 @@ def test_greedy_with_drafts_equals_without(tiny_hf_dir, prompts, reference, pp_s
     assert sum(stats["spec_decode_num_accepted_tokens_per_pos"]) == stats["spec_decode_num_accepted_tokens"]
 
 
-def test_every_block_is_returned(tiny_hf_dir, prompts, reference):
-    config = tiny_config(tiny_hf_dir, speculative=SPEC, cache={"num_kv_blocks_override": 24})
-    tokens, _, engine = run(config, prompts)
+def test_preemption_rebuilds_the_proposer_and_returns_every_block(tiny_hf_dir, prompts, reference):
+    """A preempted request resumes with its proposer state rebuilt from its tokens (vLLM #57817:
+    proposer state must not outlive or miss a request); rolled-back blocks all come back."""
+    config = tiny_config(tiny_hf_dir, speculative=SPEC, cache={"num_kv_blocks_override": 16})
+    tokens, stats, engine = run(config, prompts)
     assert tokens == reference
+    assert stats["num_preemptions"] > 0
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    last = engine.executor.runners[-1]  # its state follows the runner's per-request state (dropped
+    assert last.proposer.num_requests == len(last.sampling_states) <= 1  # with the next plan's finished ids)
 
 
 def test_prefix_cache_hashes_hold_no_draft(tiny_hf_dir, prompts, reference):
@@ -119,3 +124,109 @@ def test_bad_configuration_names_the_field(values, key):
 def test_unknown_method_fails_at_start_up(tiny_hf_dir):
     with pytest.raises(ConfigError, match=r"speculative\.method"):
         Engine(tiny_config(tiny_hf_dir, speculative={"method": "medusa"}))
+
+
+def test_stop_string_inside_an_accepted_run(tiny_hf_dir, prompts):
+    """A stop string completed by a token in the middle of a step's accepted run ends the request
+    there: text, tokens and finish reason as without drafts, nothing past it."""
+    plain = Engine(tiny_config(tiny_hf_dir))
+    spec = Engine(tiny_config(tiny_hf_dir, speculative=SPEC))
+    try:
+        texts = [r.text for r in plain.generate(prompts, GREEDY)]
+        checked = 0
+        for prompt, text in zip(prompts, texts):
+            stop = text[12:14]  # two characters well inside the answer
+            if not stop.strip() or stop in text[:12]:
+                continue
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+            want, got = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+            assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+            checked += 1
+        assert checked >= 3
+        assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_penalties_and_logprobs_with_several_tokens_per_step(tiny_hf_dir, prompts):
+    """Greedy with penalties is unchanged by drafting (row j sees the drafts before it), and each
+    token's logprobs are those of its own row."""
+    params = SamplingParams(
+        max_tokens=30, temperature=0.0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2, logprobs=3
+    )
+    plain_tokens, _, _ = run(tiny_config(tiny_hf_dir), prompts, params)
+    plain = Engine(tiny_config(tiny_hf_dir))
+    spec = Engine(tiny_config(tiny_hf_dir, speculative=SPEC))
+    try:
+        want = plain.generate(prompts, params)
+        got = spec.generate(prompts, params)
+        assert [r.token_ids for r in got] == [r.token_ids for r in want] == plain_tokens
+        for a, b in zip(got, want):
+            assert len(a.logprobs) == len(b.logprobs) == len(a.token_ids)
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert x.top_token_ids == y.top_token_ids
+                assert x.token_logprob == pytest.approx(y.token_logprob, abs=1e-5)
+        assert spec.stats()["spec_decode_num_accepted_tokens"] > 0
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_seeded_sampling_with_drafts_is_reproducible(tiny_hf_dir, prompts):
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=100 + i, ignore_eos=True) for i in range(len(prompts))]
+    first, stats, _ = run(tiny_config(tiny_hf_dir, speculative=SPEC), prompts, params)
+    again, _, _ = run(tiny_config(tiny_hf_dir, speculative=SPEC), prompts[::-1], params[::-1])
+    assert first == again[::-1]
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_random_sampling_with_drafts_keeps_the_distribution(tiny_hf_dir):
+    """Chi-square, two samples: the first three sampled tokens (each drawn after drafts were
+    verified against it) have the same distribution with drafts as without."""
+    # The model's own greedy continuation, which loops: its likely tokens are in the prompt, so the
+    # proposer drafts from the first step on and many drafts are accepted.
+    seed_prompt = tiny_prompts(320, 1, seed=3)[0]
+    loop, _, _ = run(tiny_config(tiny_hf_dir), [seed_prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    prompt = seed_prompt + loop[0]
+    n = 600
+
+    def counts(speculative):
+        sections = {"speculative": speculative} if speculative else {}
+        params = [SamplingParams(max_tokens=3, temperature=1.5, top_k=4, seed=i, ignore_eos=True) for i in range(n)]
+        tokens, stats, _ = run(tiny_config(tiny_hf_dir, scheduler={"max_num_seqs": 128}, **sections), [prompt] * n, params)
+        hist = {}
+        for t in tokens:
+            hist[tuple(t[1:3])] = hist.get(tuple(t[1:3]), 0) + 1
+        return hist, stats
+
+    plain, _ = counts(None)
+    spec, stats = counts(SPEC)
+    assert stats["spec_decode_num_drafts"] > n // 2  # many draws came through a verification
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    # Pool the rare outcomes, then a chi-square test of homogeneity at the 0.001 level.
+    keys = sorted(set(plain) | set(spec), key=lambda k: -(plain.get(k, 0) + spec.get(k, 0)))
+    cells, rest = [], [0, 0]
+    for k in keys:
+        a, b = plain.get(k, 0), spec.get(k, 0)
+        if a + b >= 20:
+            cells.append((a, b))
+        else:
+            rest[0] += a
+            rest[1] += b
+    if sum(rest) >= 20:
+        cells.append(tuple(rest))
+    assert len(cells) >= 3
+    stat = 0.0
+    for a, b in cells:
+        expected = (a + b) / 2  # equal sample sizes
+        stat += (a - expected) ** 2 / expected + (b - expected) ** 2 / expected
+    df = len(cells) - 1
+    critical = _chi2_critical_001(df)
+    assert stat < critical, (stat, critical, cells)
+
+
+def _chi2_critical_001(df: int) -> float:
+    """The 0.999 quantile of chi-square with `df` degrees of freedom (Wilson-Hilferty)."""
+    z = 3.0902323  # the 0.999 normal quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
