@@ -70,7 +70,9 @@ class Request:
     # request's latest output (never part of its tokens until verified), and how many of them
     # its in-flight plan verifies (their KV is written, then rolled back where rejected).
     draft_token_ids: list[int] = field(default_factory=list)
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0  # of the plan it was last scheduled in
+    # A continuation in flight placed after drafts its plan before did not all accept: dropped when back.
+    void_step_id: int | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # From the client, for the KV connector (prefill/decode disaggregation: where the prompt's KV is).
     kv_transfer_params: dict[str, Any] | None = None

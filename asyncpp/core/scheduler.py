@@ -32,10 +32,14 @@ Contract
   and `max_model_len`, with KV allocated for them, but never enter
   `all_token_ids`, so never a block hash or a connector's save. The output
   brings the accepted drafts and one more token; `num_computed_tokens` and the
-  blocks past it roll back over the rejected ones. A request whose step
-  verifies drafts is not continued before its output is back (what the next
-  step computes depends on how many are accepted), and neither is one whose
-  latest output brought drafts the policy would verify: it waits for fresh ones.
+  blocks past it roll back over the rejected ones. With async scheduling a
+  drafting request is continued before that output is back, optimistically:
+  the next plan holds placeholders for the token plan S samples and for the
+  drafts its proposer makes, at the positions they take if S accepts all of
+  its drafts (the first stage fills them in from the last stage, and the last
+  stage verifies them against its own proposals). If S rejects any, that
+  continuation is void: its rows are computed past the valid KV and dropped,
+  and the request goes on once it is back.
 * A request finished while in flight (abort, stop string) frees its blocks
   now; its late output is dropped, and its id stays taken until that plan is
   back, so a new request cannot inherit the old one's in-flight step.
@@ -92,7 +96,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
-from asyncpp.core.plan import NewRequestData, StepPlan
+from asyncpp.core.plan import NewRequestData, ScheduledRequest, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
 from asyncpp.core.scheduler_kv import KVTransferScheduling
@@ -266,14 +270,17 @@ class Scheduler(KVTransferScheduling):
         i = 0
         while i < len(running) and step.has_room:
             request = running[i]
-            if request.is_in_flight and not self._can_continue(request, after_step_id, num_step_reqs):
+            if request.is_in_flight and not self._can_continue(request, after_step_id):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
-            num_placeholders = 0
+            num_placeholders = num_draft_placeholders = 0
             drafts = None
-            if num_new_tokens == 0:  # its plan in flight samples the next token
+            if num_new_tokens <= 0:  # its plan in flight samples the next token (after its drafts)
                 num_new_tokens = num_placeholders = 1
+                if request.draft_token_ids and self.draft_policy is not None:  # it drafts: so will that plan
+                    num_draft_placeholders = self._num_continued_drafts(request, step.num_budget_tokens - 1, num_step_reqs)
+                    num_new_tokens += num_draft_placeholders
             elif num_new_tokens == 1 and request.draft_token_ids and self.draft_policy is not None:
                 drafts = self._drafts_to_verify(request, step.num_budget_tokens - 1, num_step_reqs)
                 num_new_tokens += len(drafts)
@@ -281,18 +288,19 @@ class Scheduler(KVTransferScheduling):
                 i += 1
                 continue
             num_new_tokens = min(num_new_tokens, step.num_budget_tokens)
-            is_chunk = num_new_tokens > 1 and not drafts  # a prompt chunk (or a recompute)
+            is_chunk = num_new_tokens > 1 and not drafts and not num_placeholders  # a prompt chunk (or a recompute)
             if is_chunk:
                 if step.num_prefill_budget == 0:
                     i += 1
                     continue
                 num_new_tokens = min(num_new_tokens, step.num_prefill_budget)
-            num_lookahead = num_placeholders + (len(drafts) if drafts else 0)
+            # Positions past its known tokens: placeholders, drafts, and those of its plan in flight.
+            num_lookahead = max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens)
             if self._allocate_running(request, num_new_tokens, num_lookahead):
                 if is_chunk:
                     step.num_prefill_budget -= num_new_tokens
                 block_ids = self._block_manager.block_ids(request.request_id)
-                step.add(request, num_new_tokens, block_ids, num_placeholders, drafts)
+                step.add(request, num_new_tokens, block_ids, num_placeholders, drafts, num_draft_placeholders)
             else:
                 is_blocked = True
             if request.status is RequestStatus.RUNNING:  # else it preempted itself and left the list
@@ -347,6 +355,11 @@ class Scheduler(KVTransferScheduling):
                 if not request.is_in_flight and not self._holds_blocks(request):
                     self._forget(request)
                 continue
+            if request.void_step_id == plan.step_id:  # a continuation the plan before made void
+                request.void_step_id = None
+                request.num_draft_tokens = 0
+                self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
+                continue
             if self.connector is not None and self._take_recompute(request):
                 continue  # it read KV a load within a plan failed to bring: computed again
             if not scheduled.do_sample:  # a prompt chunk: nothing to report
@@ -361,7 +374,7 @@ class Scheduler(KVTransferScheduling):
                 continue
             token_ids = sampled_token_ids[scheduled.request_id]
             if scheduled.num_draft_tokens:
-                self._roll_back_rejected(request, scheduled.num_draft_tokens, len(token_ids) - 1)
+                self._roll_back_rejected(request, plan.step_id, scheduled, len(token_ids) - 1)
             if draft_token_ids is not None:
                 request.draft_token_ids = draft_token_ids.get(scheduled.request_id) or []
             new_token_ids = []
@@ -402,28 +415,20 @@ class Scheduler(KVTransferScheduling):
                 num_tokens += num_left
         return num_tokens
 
-    def _can_continue(self, request: Request, after_step_id: int | None, num_step_reqs: int = 1) -> bool:
+    def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
         """May an in-flight request be scheduled in the plan after `after_step_id`?"""
-        if request.num_in_flight != 1:
-            return False
-        if request.num_draft_tokens:  # how many tokens it has next depends on how many are accepted
+        if request.num_in_flight != 1 or request.void_step_id is not None:
             return False
         if request.num_computed_tokens < request.num_tokens:  # the next prompt chunk: its tokens are known
             return self.async_scheduling or request.last_step_id == after_step_id
         if after_step_id is None or request.last_step_id != after_step_id:
             return False
-        # The token its plan samples is its last unless stop checks finish it; do not compute a
-        # token after one that finishes it by length for sure.
-        num_output_tokens = request.num_output_tokens + 1
-        if (
-            request.draft_token_ids
-            and self.draft_policy is not None
-            and self.draft_policy.would_draft(request.request_id, num_step_reqs)
-        ):
-            return False  # it drafts: wait for the guesses its plan in flight makes
+        # The tokens its plan samples (its drafts, if all accepted, then one more) are its last unless
+        # stop checks finish it; do not compute a token after ones that finish it by length for sure.
+        num_new = request.num_draft_tokens + 1
         return (
-            num_output_tokens < request.sampling_params.max_tokens
-            and request.num_tokens + 1 < self.max_model_len
+            request.num_output_tokens + num_new < request.sampling_params.max_tokens
+            and request.num_tokens + num_new < self.max_model_len
         )
 
     def _drafts_to_verify(self, request: Request, num_budget: int, num_step_reqs: int) -> list[int]:
@@ -438,17 +443,41 @@ class Scheduler(KVTransferScheduling):
         num_drafts = self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
         return request.draft_token_ids[:num_drafts]
 
-    def _roll_back_rejected(self, request: Request, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` drafts and accepted `num_accepted`: the KV of the rejected ones
-        is not the request's (computed from wrong tokens), and the blocks holding only them go."""
+    def _num_continued_drafts(self, request: Request, num_budget: int, num_step_reqs: int) -> int:
+        """Drafts a continuation of `request` verifies: its plan in flight proposes them (as many as
+        its latest output had, the policy willing), placed after the tokens that plan samples."""
+        num_new = request.num_draft_tokens + 1  # sampled by the plan in flight, if all accepted
+        num_room = min(
+            request.sampling_params.max_tokens - request.num_output_tokens - num_new - 1,
+            self.max_model_len - request.num_tokens - num_new - 1,
+            num_budget,
+        )
+        num_available = min(len(request.draft_token_ids), num_room)
+        return self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
+
+    def _roll_back_rejected(
+        self, request: Request, step_id: int, scheduled: ScheduledRequest, num_accepted: int
+    ) -> None:
+        """Plan `step_id` verified the drafts of `scheduled` and accepted `num_accepted`: the KV of the
+        rejected ones is not the request's (computed from wrong tokens), and the blocks holding only
+        them go. A continuation in flight, placed after all of them, is void."""
+        num_drafts = scheduled.num_draft_tokens
         if not 0 <= num_accepted <= num_drafts:
             raise ValueError(
                 f"request {request.request_id!r}: {num_accepted} drafts accepted of the {num_drafts} verified"
             )
-        request.num_draft_tokens = 0
-        request.num_computed_tokens -= num_drafts - num_accepted
-        # Its next step's slot (the token sampled now) stays; blocks only past it hold drafts.
-        self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
+        if request.last_step_id == step_id:
+            request.num_draft_tokens = 0
+        if num_accepted < num_drafts:
+            if request.is_in_flight:  # its continuation computed from positions the request never reaches
+                request.void_step_id = request.last_step_id
+                request.num_placeholders = 0
+                request.num_draft_tokens = 0
+            # Valid KV: up to the step's start, then its tokens before the drafts and the accepted drafts.
+            request.num_computed_tokens = scheduled.start_position + scheduled.num_tokens - num_drafts + num_accepted
+        if not request.is_in_flight:
+            # Its next step's slot (the token sampled now) stays; blocks only past it hold drafts.
+            self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
         self.draft_policy.observe_acceptance(request.request_id, num_drafts, num_accepted)
         counts = self._spec_counts
         counts[0] += 1

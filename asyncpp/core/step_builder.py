@@ -36,27 +36,30 @@ class StepBuilder:
         block_ids: list[int],
         num_placeholders: int = 0,
         draft_token_ids: list[int] | None = None,
+        num_draft_placeholders: int = 0,
     ) -> None:
         """Schedule `num_new_tokens` of `request` from its first uncomputed one; with placeholders,
         that many tokens the plan in flight before this one samples (its first stage fills them in);
-        with drafts, the last `len(draft_token_ids)` of them are those guesses, to be verified."""
+        with drafts, the last `len(draft_token_ids)` of them are those guesses, to be verified; with
+        draft placeholders, that many drafts the plan before proposes (filled in like the tokens)."""
         start = request.num_computed_tokens
         end = start + num_new_tokens
-        num_drafts = len(draft_token_ids) if draft_token_ids else 0
+        num_drafts = len(draft_token_ids) if draft_token_ids else num_draft_placeholders
         if num_placeholders:
-            token_ids = [PLACEHOLDER_TOKEN_ID] * num_placeholders
+            token_ids = [PLACEHOLDER_TOKEN_ID] * (num_placeholders + num_draft_placeholders)
             self.has_placeholders = True
         else:
             token_ids = request.token_ids_between(start, end - num_drafts)
-        if num_drafts:
-            token_ids = token_ids + list(draft_token_ids)
+            if draft_token_ids:
+                token_ids = token_ids + list(draft_token_ids)
         self.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
                 token_ids=token_ids,
                 start_position=start,
                 block_ids=block_ids,
-                do_sample=end - num_drafts == request.num_tokens + request.num_placeholders + num_placeholders,
+                # A continuation samples after the token its plan before samples; a chunk, at the last one.
+                do_sample=bool(num_placeholders) or end - num_drafts == request.num_tokens + request.num_placeholders,
                 num_draft_tokens=num_drafts,
             )
         )

@@ -294,7 +294,7 @@ class Stage:
                 is_connector_done = True
                 if self.tokens_out is not None:
                     latest = [ids[-1] for ids in output.sampled_token_ids]
-                    self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest))
+                    self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest, output.draft_token_ids))
             else:
                 if moves_activations:
                     t_handoff = time.perf_counter()
@@ -344,7 +344,7 @@ class Stage:
         target = -1 if until_step_id is None else until_step_id
         while self.last_tokens_step_id < target or self.tokens_in.has_message():
             msg = self.tokens_in.get()
-            self.runner.record_sampled(msg.req_ids, msg.token_ids)
+            self.runner.record_sampled(msg.req_ids, msg.token_ids, msg.draft_token_ids)
             self.last_tokens_step_id = msg.step_id
 
     def close(self) -> None:

@@ -15,8 +15,7 @@ than the time the wider step takes. Both sides are measured:
 On a CPU at concurrency 1 a row costs little next to reading the weights
 (`c` is small): every draft the proposer found goes in. At high concurrency
 rows are most of the step: only requests whose drafts are usually accepted
-keep drafting, and the rest run as if speculation were off (and, with async
-scheduling, keep their overlap). A request that stopped drafting drifts back
+keep drafting, and the rest run as if speculation were off. A request that stopped drafting drifts back
 toward the prior while it does not draft, so it is tried again now and then.
 Without `adaptive`, every draft found goes in (tests, measurements).
 """
@@ -109,12 +108,6 @@ class DraftPolicy:
             if acc is not None:
                 acc.accepted += (PRIOR_ACCEPTANCE * acc.tried - acc.accepted) * RECOVERY
         return n
-
-    def would_draft(self, request_id: str, num_reqs: int) -> bool:
-        """Whether a request with drafts would verify some now (without touching its estimate)."""
-        if not self.adaptive:
-            return True
-        return self.acceptance(request_id) > self.cost.row_cost(num_reqs)
 
     def acceptance(self, request_id: str) -> float:
         acc = self._acceptance.get(request_id)

@@ -81,4 +81,6 @@ class SampledTokens:
 
     step_id: int
     req_ids: list[str] = field(default_factory=list)  # empty when the step sampled nothing or failed
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # each request's latest
+    # Speculative decoding: each request's drafts for its next step (a continuation verifies them).
+    draft_token_ids: list[list[int]] = field(default_factory=list)

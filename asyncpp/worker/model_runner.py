@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncpp.core.plan import StepPlan
+from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
 from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.kernels.triton_attention import triton_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
@@ -113,6 +113,10 @@ class ModelRunner:
         self.num_speculative_tokens = num_speculative_tokens
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
+        # First stage: the drafts proposed with it; last stage: its own latest proposals, and whether
+        # its latest verification accepted every draft (else a continuation placed after them is void).
+        self.latest_drafts: dict[str, list[int]] = {}
+        self.accepted_all: dict[str, bool] = {}
         self.execute_state: ExecuteModelState | None = None
         self.forward_step_id = -1  # the latest step whose forward ran to its end (its KV is written)
         self.kv_connector = kv_connector or KVConnectorWrapper()
@@ -159,7 +163,9 @@ class ModelRunner:
         self.kv_connector.pre_forward(plan)
         if plan.is_empty:
             return None
-        inputs = self.buffers.prepare(plan, self.sampled_token_ids if self.model.is_first else None)
+        void = self._void_continuations(plan) if self.is_last and plan.after_step_id is not None else frozenset()
+        first = self.model.is_first
+        inputs = self.buffers.prepare(plan, self.sampled_token_ids if first else None, self.latest_drafts, void)
         if not self.model.is_first:
             if intermediate is None:
                 raise ValueError(f"step {plan.step_id}: stage {self.model.start_layer}.. needs intermediate tensors")
@@ -193,6 +199,15 @@ class ModelRunner:
         )
         return None
 
+    def _void_continuations(self, plan: StepPlan) -> frozenset[str]:
+        """Continuations placed after drafts the plan before did not all accept (the scheduler drops
+        them too): their rows run, but nothing is sampled for them."""
+        return frozenset(
+            r.request_id
+            for r in plan.scheduled
+            if r.token_ids[0] == PLACEHOLDER_TOKEN_ID and not self.accepted_all.get(r.request_id, True)
+        )
+
     def _layer_range(self, plan: StepPlan) -> tuple[int, int]:
         """The layers this step runs here: the plan's bounds around this stage, else the default."""
         if not plan.layer_bounds:
@@ -211,8 +226,10 @@ class ModelRunner:
         if state is None or not self.is_last:
             raise RuntimeError("sample_tokens() without a preceding execute_model() on the last stage")
         output = self._sample(state) if state.logits is not None else None
-        if output is not None and self.proposer is not None:
-            output = dataclasses.replace(output, draft_token_ids=self.propose_drafts(output.req_ids))
+        drafts = self.propose_drafts(state, output)
+        if drafts is not None:
+            self.latest_drafts.update(zip(output.req_ids, drafts))
+            output = dataclasses.replace(output, draft_token_ids=drafts)
         kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
         if output is None:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
@@ -233,21 +250,28 @@ class ModelRunner:
         kv_output = self.kv_connector.abort_step(plan, is_forward_done=self.forward_step_id == plan.step_id)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
-    def propose_drafts(self, req_ids: list[str]) -> list[list[int]]:
-        """The proposer's drafts for each request that just sampled, after sampling and before the
-        connector's post_forward (seed 003); they go out tagged with the request in this step's output."""
+    def propose_drafts(self, state: ExecuteModelState, output: ModelRunnerOutput | None) -> list[list[int]] | None:
+        """The proposer's drafts for each request that just sampled (`output.req_ids`), after sampling
+        and before the connector's post_forward (seed 003); they go out tagged with the request in
+        this step's output. None without a proposer or when nothing sampled."""
+        if self.proposer is None or output is None:
+            return None
         k = self.num_speculative_tokens
-        return [self.proposer.propose(req_id, k) for req_id in req_ids]
+        return [self.proposer.propose(req_id, k) for req_id in output.req_ids]
 
     def _sample(self, state: ExecuteModelState) -> ModelRunnerOutput:
         req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
         if state.draft_token_ids is not None:
             verified = self.rejection_sampler(state.logits, req_states, state.draft_token_ids)
             sampled, logprobs = verified.token_ids, verified.logprobs
+            for req_id, drafts, token_ids in zip(state.sampling_req_ids, state.draft_token_ids, sampled):
+                self.accepted_all[req_id] = len(token_ids) == len(drafts) + 1
         else:
             out = self.sampler(state.logits, req_states)
             sampled = [[t] for t in out.sampled_token_ids.tolist()]
             logprobs = _logprobs_lists(out, req_states)
+            if self.proposer is not None:  # nothing to verify: a continuation after it is valid
+                self.accepted_all.update((req_id, True) for req_id in state.sampling_req_ids)
         for req_id, req_state, token_ids in zip(state.sampling_req_ids, req_states, sampled):
             req_state.output_token_ids.extend(token_ids)
             if self.proposer is not None:
@@ -256,14 +280,19 @@ class ModelRunner:
             self.record_sampled(state.sampling_req_ids, [ids[-1] for ids in sampled])
         return ModelRunnerOutput(req_ids=state.sampling_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
-    def record_sampled(self, req_ids: list[str], token_ids: list[int]) -> None:
-        """First stage: the tokens a step sampled, for the placeholders of later plans."""
+    def record_sampled(self, req_ids: list[str], token_ids: list[int], drafts: list[list[int]] | None = None) -> None:
+        """First stage: the tokens a step sampled (and the drafts proposed after them), for the
+        placeholders of later plans."""
         self.sampled_token_ids.update(zip(req_ids, token_ids))
+        if drafts:
+            self.latest_drafts.update(zip(req_ids, drafts))
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.sampling_states.pop(req_id, None)
             self.sampled_token_ids.pop(req_id, None)
+            self.latest_drafts.pop(req_id, None)
+            self.accepted_all.pop(req_id, None)
             if self.proposer is not None:
                 self.proposer.finish(req_id)
         if not self.is_last:

@@ -48,8 +48,16 @@ class StepInputBuffers:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
 
-    def prepare(self, plan: StepPlan, sampled_token_ids: dict[str, int] | None = None) -> StepInputs:
-        """Inputs of `plan`; on the first stage, placeholders become the requests' `sampled_token_ids`."""
+    def prepare(
+        self,
+        plan: StepPlan,
+        sampled_token_ids: dict[str, int] | None = None,
+        latest_drafts: dict[str, list[int]] | None = None,
+        void_req_ids: frozenset[str] = frozenset(),
+    ) -> StepInputs:
+        """Inputs of `plan`; on the first stage, placeholders become the requests' `sampled_token_ids`
+        followed by their `latest_drafts` (a continuation that verifies the drafts its plan before
+        proposed). `void_req_ids` (last stage): continuations computed but not sampled."""
         reqs = plan.scheduled
         num_new = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         num_tokens = int(num_new.sum())
@@ -68,12 +76,14 @@ class StepInputBuffers:
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         if plan.after_step_id is not None and sampled_token_ids is not None:
-            _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids)
+            _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids, latest_drafts or {})
         self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
         self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
 
         last_rows = np.cumsum(num_new) - 1
-        do_sample = np.fromiter((r.do_sample for r in reqs), dtype=bool, count=len(reqs))
+        do_sample = np.fromiter(
+            (r.do_sample and r.request_id not in void_req_ids for r in reqs), dtype=bool, count=len(reqs)
+        )
         sampling = [r for r, s in zip(reqs, do_sample) if s]
         logits_rows = last_rows[do_sample]
         draft_token_ids = None
@@ -82,7 +92,7 @@ class StepInputBuffers:
             num_rows = num_drafts + 1
             first_rows = np.repeat(logits_rows - num_drafts - np.cumsum(num_rows) + num_rows, num_rows)
             logits_rows = first_rows + np.arange(int(num_rows.sum()))
-            draft_token_ids = [list(r.token_ids[len(r.token_ids) - r.num_draft_tokens :]) for r in sampling]
+            draft_token_ids = [_drafts_of(r, latest_drafts or {}) for r in sampling]
         return StepInputs(
             num_tokens=num_tokens,
             input_ids=self.input_ids[:num_tokens],
@@ -94,8 +104,29 @@ class StepInputBuffers:
         )
 
 
+def padded_drafts(drafts: list[int], num_drafts: int) -> list[int]:
+    """The `num_drafts` drafts a continuation verifies: the proposer's, padded by repeating its last
+    (or token 0). Padding is only a poor guess: verification decides, as for any draft. The first
+    stage (filling its inputs) and the last (verifying) pad alike."""
+    if len(drafts) >= num_drafts:
+        return list(drafts[:num_drafts])
+    return list(drafts) + [drafts[-1] if drafts else 0] * (num_drafts - len(drafts))
+
+
+def _drafts_of(r, latest_drafts: dict[str, list[int]]) -> list[int]:
+    """The drafts a scheduled request verifies: in the plan, or (a continuation) the latest proposed."""
+    drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
+    if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:
+        return padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
+    return list(drafts)
+
+
 def _fill_placeholders(
-    token_ids: np.ndarray, num_new: np.ndarray, reqs: list, sampled_token_ids: dict[str, int]
+    token_ids: np.ndarray,
+    num_new: np.ndarray,
+    reqs: list,
+    sampled_token_ids: dict[str, int],
+    latest_drafts: dict[str, list[int]],
 ) -> None:
     rows = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
     if not len(rows):
@@ -104,3 +135,10 @@ def _fill_placeholders(
     # A request without a sampled token had its sampling step fail: the engine fails it and
     # drops this step's output for it, so any valid token will do.
     token_ids[rows] = [sampled_token_ids.get(reqs[i].request_id, 0) for i in req_index.tolist()]
+    # A continuation's placeholders after its first are the drafts its plan before proposed.
+    starts = np.cumsum(num_new) - num_new
+    for i, r in enumerate(reqs):
+        if r.num_draft_tokens and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            first = int(starts[i]) + r.num_tokens - r.num_draft_tokens
+            drafts = padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
+            token_ids[first : first + r.num_draft_tokens] = drafts
