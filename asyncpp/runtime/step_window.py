@@ -258,7 +258,9 @@ class StepWindow:
         del self.in_flight[step.plan.step_id]
         self._retire(step.plan.step_id)
         self.num_steps += 1
-        errors = [o.error for o in step.outputs.values() if o.error]
+        # By stage, not by arrival: an earlier stage's error is the cause of a later one's (a stage
+        # whose forward failed hands the next an empty notice, which fails there too).
+        errors = [step.outputs[rank].error for rank in sorted(step.outputs) if step.outputs[rank].error]
         if errors:
             self.log.error("step_failed", step_id=step.plan.step_id, errors=errors)
             failed = self.core.process_failed_step(step.plan, self._stage_outputs(step))
