@@ -279,10 +279,11 @@ class Scheduler(KVTransferScheduling):
             if num_new_tokens <= 0:  # its plan in flight samples the next token (after its drafts)
                 num_new_tokens = num_placeholders = 1
                 if request.draft_token_ids and self.draft_policy is not None:  # it drafts: so will that plan
-                    num_draft_placeholders = self._num_continued_drafts(request, step.num_budget_tokens - 1, num_step_reqs)
+                    num_in_flight = request.num_draft_tokens + 1  # tokens that plan samples, if all accepted
+                    num_draft_placeholders = self._num_drafts(request, num_in_flight, step.num_budget_tokens, num_step_reqs)
                     num_new_tokens += num_draft_placeholders
             elif num_new_tokens == 1 and request.draft_token_ids and self.draft_policy is not None:
-                drafts = self._drafts_to_verify(request, step.num_budget_tokens - 1, num_step_reqs)
+                drafts = request.draft_token_ids[: self._num_drafts(request, 0, step.num_budget_tokens, num_step_reqs)]
                 num_new_tokens += len(drafts)
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
                 i += 1
@@ -431,26 +432,15 @@ class Scheduler(KVTransferScheduling):
             and request.num_tokens + num_new < self.max_model_len
         )
 
-    def _drafts_to_verify(self, request: Request, num_budget: int, num_step_reqs: int) -> list[int]:
-        """The drafts a decode step of `request` verifies: what the policy wants of the proposer's, so
-        that the step can neither pass `max_tokens` nor `max_model_len` nor the token budget."""
+    def _num_drafts(self, request: Request, num_in_flight: int, num_budget: int, num_step_reqs: int) -> int:
+        """How many drafts a decode step of `request` verifies: what the policy wants of those its latest
+        output brought (a continuation: as many as its plan in flight will propose), such that the step
+        passes neither `max_tokens` nor `max_model_len` nor the token budget (`num_budget`, its decode
+        token included). `num_in_flight`: tokens its plan in flight samples first, if all accepted."""
         num_room = min(
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-            num_budget,
-        )
-        num_available = min(len(request.draft_token_ids), num_room)
-        num_drafts = self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
-        return request.draft_token_ids[:num_drafts]
-
-    def _num_continued_drafts(self, request: Request, num_budget: int, num_step_reqs: int) -> int:
-        """Drafts a continuation of `request` verifies: its plan in flight proposes them (as many as
-        its latest output had, the policy willing), placed after the tokens that plan samples."""
-        num_new = request.num_draft_tokens + 1  # sampled by the plan in flight, if all accepted
-        num_room = min(
-            request.sampling_params.max_tokens - request.num_output_tokens - num_new - 1,
-            self.max_model_len - request.num_tokens - num_new - 1,
-            num_budget,
+            request.sampling_params.max_tokens - request.num_output_tokens - num_in_flight - 1,
+            self.max_model_len - request.num_tokens - num_in_flight - 1,
+            num_budget - 1,
         )
         num_available = min(len(request.draft_token_ids), num_room)
         return self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
@@ -486,7 +476,7 @@ class Scheduler(KVTransferScheduling):
         for pos in range(num_accepted):
             self._spec_accepted_per_pos[pos] += 1
 
-    def _allocate_running(self, request: Request, num_new_tokens: int, num_placeholders: int = 0) -> bool:
+    def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
         """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
         while True:
             block_ids = self._block_manager.allocate_slots(
@@ -494,7 +484,7 @@ class Scheduler(KVTransferScheduling):
                 request.all_token_ids,
                 num_new_tokens,
                 request.num_computed_tokens,
-                num_lookahead_tokens=num_placeholders,
+                num_lookahead_tokens=num_lookahead_tokens,
             )
             if block_ids is not None:
                 return True
