@@ -13,6 +13,8 @@ from asyncpp.sampling.params import SamplingParams
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.rejection import RejectionSampler, VerifiedTokens
 from asyncpp.worker.outputs import Logprobs
+from tests.chi_square import chi_square as _chi_square
+from tests.chi_square import p_value as _p_value
 
 PROBS = torch.tensor([0.30, 0.22, 0.16, 0.12, 0.09, 0.06, 0.03, 0.02])  # [vocab_size]
 LOGITS = PROBS.log() + 1.5  # logits are only defined up to a shift
@@ -32,14 +34,6 @@ def _verify(logits: torch.Tensor, states, drafts, vocab_size: int = VOCAB_SIZE) 
     return RejectionSampler(Sampler(vocab_size))(logits, states, drafts)
 
 
-def _chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    expected = expected_probs.double() * counts.sum()
-    return float(((counts.double() - expected) ** 2 / expected).sum())
-
-
-def _p_value(statistic: float, df: int) -> float:
-    # Survival function of chi-square(df): the regularised upper incomplete gamma Q(df/2, x/2).
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
 
 
 def test_p_value_matches_the_table() -> None:
