@@ -443,7 +443,7 @@ class Scheduler(KVTransferScheduling):
             num_budget - 1,
         )
         num_available = min(len(request.draft_token_ids), num_room)
-        return self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs)
+        return self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs, self.async_scheduling)
 
     def _roll_back_rejected(
         self, request: Request, step_id: int, scheduled: ScheduledRequest, num_accepted: int

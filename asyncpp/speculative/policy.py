@@ -9,8 +9,16 @@ than the time the wider step takes. Both sides are measured:
   is accepted with probability `alpha ** j`;
 * cost, over the engine's steps: step time ~ `a + b * num_tokens`, a
   least-squares fit with exponential forgetting of (tokens, seconds) pairs.
-  With R requests in a step, a row costs `c = b * R / (a + b * R)` of the
-  step's output rate, so draft j goes in while `alpha ** j > c`.
+  With R requests in a step, a row costs `c = b * R / (a + b * R)` tokens
+  (what the batch makes in the time the row takes).
+
+With d drafts a step brings the request `E(d) = 1 + alpha + ... + alpha ** d`
+tokens for `d * c`. With async scheduling its next step is already planned
+after all d drafts: a rejection (chance `1 - alpha ** d`) voids that step,
+which then brings nothing, so a step brings `E(d) / (2 - alpha ** d)` on
+average. The policy takes the d (up to what the proposer found) with the most
+tokens net of the rows' cost; without async scheduling that is every draft j
+with `alpha ** j > c`.
 
 On a CPU at concurrency 1 a row costs little next to reading the weights
 (`c` is small): every draft the proposer found goes in. At high concurrency
@@ -92,17 +100,22 @@ class DraftPolicy:
         self.cost = StepCost()
         self._acceptance: dict[str, _Acceptance] = {}
 
-    def num_drafts(self, request_id: str, num_available: int, num_reqs: int) -> int:
-        """How many of `num_available` drafts (the proposer's, within the budgets) to verify now."""
+    def num_drafts(self, request_id: str, num_available: int, num_reqs: int, is_continued: bool = False) -> int:
+        """How many of `num_available` drafts (the proposer's, within the budgets) to verify now;
+        `is_continued`: the request's next step is planned before this one is back (async scheduling)."""
         limit = min(num_available, self.num_speculative_tokens)
         if limit <= 0 or not self.adaptive:
             return max(0, limit)
         alpha = self.acceptance(request_id)
         cost = self.cost.row_cost(num_reqs)
-        n, p = 0, alpha
-        while n < limit and p > cost:
-            n += 1
+        n, best = 0, 1.0  # no draft: one token a step, never void
+        tokens, p = 1.0, 1.0  # E(d) and alpha ** d
+        for d in range(1, limit + 1):
             p *= alpha
+            tokens += p
+            net = (tokens / (2.0 - p) if is_continued else tokens) - d * cost
+            if net > best:
+                n, best = d, net
         if n == 0:  # not drafting: drift back toward the prior, to be tried again later
             acc = self._acceptance.get(request_id)
             if acc is not None:
