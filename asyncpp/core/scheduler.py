@@ -376,6 +376,9 @@ class Scheduler(KVTransferScheduling):
             token_ids = sampled_token_ids[scheduled.request_id]
             if scheduled.num_draft_tokens:
                 self._roll_back_rejected(request, plan.step_id, scheduled, len(token_ids) - 1)
+            elif request.draft_token_ids and self.draft_policy is not None:
+                # No draft verified: the token sampled is what the first one would have met.
+                self.draft_policy.observe_acceptance(request.request_id, 1, int(token_ids[0] == request.draft_token_ids[0]))
             if draft_token_ids is not None:
                 request.draft_token_ids = draft_token_ids.get(scheduled.request_id) or []
             new_token_ids = []

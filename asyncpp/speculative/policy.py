@@ -6,7 +6,10 @@ than the time the wider step takes. Both sides are measured:
 * acceptance, per request: the chance that a draft is accepted given the one
   before it was (accepted / positions tried), a decaying average over its
   recent steps that starts at `PRIOR_ACCEPTANCE`; with it, draft j of a request
-  is accepted with probability `alpha ** j`;
+  is accepted with probability `alpha ** j`. A step that verified no draft
+  still tells: the token it sampled is the first draft's fate (the scheduler
+  reports it as one position tried), so a request that does not draft keeps
+  an estimate for free and starts drafting when its drafts would pay;
 * cost, over the engine's steps: step time ~ `a + b * num_tokens`, a
   least-squares fit with exponential forgetting of (tokens, seconds) pairs.
   With R requests in a step, a row costs `c = b * R / (a + b * R)` tokens
@@ -23,9 +26,8 @@ with `alpha ** j > c`.
 On a CPU at concurrency 1 a row costs little next to reading the weights
 (`c` is small): every draft the proposer found goes in. At high concurrency
 rows are most of the step: only requests whose drafts are usually accepted
-keep drafting, and the rest run as if speculation were off. A request that stopped drafting drifts back
-toward the prior while it does not draft, so it is tried again now and then.
-Without `adaptive`, every draft found goes in (tests, measurements).
+keep drafting, and the rest run as if speculation were off. Without `adaptive`, every
+draft found goes in (tests, measurements).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from dataclasses import dataclass
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 2.0  # positions' worth of belief in the prior
 DECAY = 0.9  # per step of a request, on its acceptance counts
-RECOVERY = 0.02  # per step without drafts, toward the prior
 COST_DECAY = 0.995  # per observed step, on the cost fit
 MIN_COST_STEPS = 8  # before this many steps, the prior row cost below
 PRIOR_ROW_COST = 0.02  # b / a before the fit has data: a row next to reading the weights on a CPU
@@ -116,10 +117,6 @@ class DraftPolicy:
             net = (tokens / (2.0 - p) if is_continued else tokens) - d * cost
             if net > best:
                 n, best = d, net
-        if n == 0:  # not drafting: drift back toward the prior, to be tried again later
-            acc = self._acceptance.get(request_id)
-            if acc is not None:
-                acc.accepted += (PRIOR_ACCEPTANCE * acc.tried - acc.accepted) * RECOVERY
         return n
 
     def acceptance(self, request_id: str) -> float:
@@ -127,7 +124,8 @@ class DraftPolicy:
         return acc.rate if acc is not None else PRIOR_ACCEPTANCE
 
     def observe_acceptance(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted`."""
+        """A step verified `num_drafts` of the request's drafts and accepted the first `num_accepted`
+        (or, verifying none, sampled what its first draft was: 1 and 1, or 1 and 0)."""
         if num_drafts <= 0:
             return
         acc = self._acceptance.setdefault(request_id, _Acceptance())

@@ -127,3 +127,26 @@ def test_async_continuation_after_all_drafts_accepted_is_kept():
     assert updates[0].new_token_ids == [8, 3]
     assert request.output_token_ids == [100, 101, 102, 7, 8, 3]
     assert request.num_computed_tokens == 10  # positions 0..9 hold tokens 0..9; 3 is computed next
+
+
+def test_a_request_not_drafting_learns_from_its_first_drafts_fate_and_starts_drafting():
+    policy = DraftPolicy(2, adaptive=True)
+    s = Scheduler(
+        BlockManager(64, BLOCK, enable_prefix_caching=True), max_num_seqs=8, max_num_batched_tokens=64,
+        max_model_len=256, async_scheduling=True, draft_policy=policy,
+    )  # fmt: skip
+    s.add_request(make_request("a", [1, 2, 3], max_tokens=100))
+    plan = s.schedule()
+    s.update_from_output(plan, {"a": [10]}, None, {"a": [11, 12]})
+    num_drafts = []
+    for t in range(11, 30):
+        plan = s.schedule()
+        (r,) = plan.scheduled
+        num_drafts.append(r.num_draft_tokens)
+        sampled = [t] + list(range(t + 1, t + 1 + r.num_draft_tokens))  # every draft comes true
+        s.update_from_output(plan, {"a": sampled}, None, {"a": [t + 1 + r.num_draft_tokens, t + 2 + r.num_draft_tokens]})
+        if len(s.get_request("a").output_token_ids) > 60:
+            break
+    assert num_drafts[0] == 0  # the prior (0.5) does not pay with async scheduling
+    assert policy.acceptance("a") > 0.9
+    assert num_drafts[-1] == 2

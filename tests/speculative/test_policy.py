@@ -55,14 +55,15 @@ def test_low_acceptance_stops_drafting_where_rows_cost():
     assert policy.num_drafts("r", 4, 1, is_continued=True) < policy.num_drafts("r", 4, 1)
 
 
-def test_acceptance_follows_the_observations_and_drifts_back_when_not_drafting():
+def test_acceptance_follows_the_observations_and_starts_drafting_when_they_turn():
     policy = policy_with(0.1)
     assert policy.acceptance("r") < 0.15
     assert policy.acceptance("new") == PRIOR_ACCEPTANCE
-    before = policy.acceptance("r")
-    for _ in range(50):
-        assert policy.num_drafts("r", 4, 64, is_continued=True) == 0
-    assert before < policy.acceptance("r") < PRIOR_ACCEPTANCE  # tried again, some day
+    assert policy.num_drafts("r", 4, 16, is_continued=True) == 0
+    for _ in range(30):  # not drafting, its first drafts now come true (what the scheduler reports)
+        policy.observe_acceptance("r", 1, 1)
+    assert policy.acceptance("r") > 0.9
+    assert policy.num_drafts("r", 4, 16, is_continued=True) == 4
     policy.forget("r")
     assert policy.acceptance("r") == PRIOR_ACCEPTANCE
 
