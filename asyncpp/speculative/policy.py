@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.5
-PRIOR_WEIGHT = 2.0  # positions' worth of belief in the prior
-DECAY = 0.9  # per step of a request, on its acceptance counts
+PRIOR_WEIGHT = 4.0  # positions' worth of belief in the prior: a short streak of luck does not start drafting
+DECAY = 0.95  # per step of a request, on its acceptance counts (about the last 20 count)
 COST_DECAY = 0.995  # per observed step, on the cost fit
 MIN_COST_STEPS = 8  # before this many steps, the prior row cost below
 PRIOR_ROW_COST = 0.02  # b / a before the fit has data: a row next to reading the weights on a CPU

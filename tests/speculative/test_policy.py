@@ -60,7 +60,7 @@ def test_acceptance_follows_the_observations_and_starts_drafting_when_they_turn(
     assert policy.acceptance("r") < 0.15
     assert policy.acceptance("new") == PRIOR_ACCEPTANCE
     assert policy.num_drafts("r", 4, 16, is_continued=True) == 0
-    for _ in range(30):  # not drafting, its first drafts now come true (what the scheduler reports)
+    for _ in range(60):  # not drafting, its first drafts now come true (what the scheduler reports)
         policy.observe_acceptance("r", 1, 1)
     assert policy.acceptance("r") > 0.9
     assert policy.num_drafts("r", 4, 16, is_continued=True) == 4
