@@ -33,10 +33,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ERROR = "error"
 
     @property
-    def is_in_flight(self) -> bool:
-        return self.num_in_flight > 0
-
-    @property
     def is_finished(self) -> bool:
         return self._is_finished
 
@@ -108,6 +104,11 @@ class Request:
     @property
     def is_in_flight(self) -> bool:
         return self.num_in_flight > 0
+
+    @property
+    def is_only_void_in_flight(self) -> bool:
+        """Its one plan in flight is a void continuation: it may be scheduled again meanwhile."""
+        return self.num_in_flight == 1 and self.void_step_id is not None
 
     @property
     def is_finished(self) -> bool:

@@ -38,8 +38,10 @@ Contract
   drafts its proposer makes, at the positions they take if S accepts all of
   its drafts (the first stage fills them in from the last stage, and the last
   stage verifies them against its own proposals). If S rejects any, that
-  continuation is void: its rows are computed past the valid KV and dropped,
-  and the request goes on once it is back.
+  continuation is void: its rows are computed past the valid KV and dropped.
+  The request goes on at once from its accepted tokens, in any later plan (its
+  rows there overwrite the void ones: stages run plans in order); only its
+  blocks wait for the void plan to be back before they are trimmed.
 * A request finished while in flight (abort, stop string) frees its blocks
   now; its late output is dropped, and its id stays taken until that plan is
   back, so a new request cannot inherit the old one's in-flight step.
@@ -270,7 +272,7 @@ class Scheduler(KVTransferScheduling):
         i = 0
         while i < len(running) and step.has_room:
             request = running[i]
-            if request.is_in_flight and not self._can_continue(request, after_step_id):
+            if request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
@@ -358,8 +360,9 @@ class Scheduler(KVTransferScheduling):
                 continue
             if request.void_step_id == plan.step_id:  # a continuation the plan before made void
                 request.void_step_id = None
-                request.num_draft_tokens = 0
-                self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
+                if not request.is_in_flight:  # (it may have gone on meanwhile, in a later plan)
+                    request.num_draft_tokens = 0
+                    self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
                 continue
             if self.connector is not None and self._take_recompute(request):
                 continue  # it read KV a load within a plan failed to bring: computed again

@@ -108,11 +108,15 @@ def test_async_continuation_carries_placeholder_drafts_and_is_voided_by_a_reject
     s.update_from_output(first, {"a": [101, 9]}, None, {"a": [50, 51]})
     request = s.get_request("a")
     assert request.num_computed_tokens == 7 and request.void_step_id == cont.step_id
-    assert s.schedule(after_step_id=cont.step_id) is None  # it waits for the void step to come back
+    # It goes on at once from what was accepted, in a plan after the void one (whose rows it overwrites).
+    plan = s.schedule(after_step_id=cont.step_id)
+    assert (plan.scheduled[0].token_ids, plan.scheduled[0].start_position) == ([9, 50, 51], 7)
+    num_blocks = len(s._block_manager.block_ids("a"))
     assert s.update_from_output(cont, {}, None, None) == []  # dropped: no tokens, no failure
     assert request.void_step_id is None and request.output_token_ids == [100, 101, 9]
-    plan = s.schedule()
-    assert (plan.scheduled[0].token_ids, plan.scheduled[0].start_position) == ([9, 50, 51], 7)
+    assert len(s._block_manager.block_ids("a")) == num_blocks  # the plan in flight still uses them
+    s.update_from_output(plan, {"a": [50, 3]}, None, {"a": []})  # 50 accepted, 51 not: 3 instead
+    assert request.output_token_ids == [100, 101, 9, 50, 3] and request.num_computed_tokens == 9
 
 
 def test_async_continuation_after_all_drafts_accepted_is_kept():
