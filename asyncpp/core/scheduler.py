@@ -25,23 +25,11 @@ Contract
   by `step_id`. A request that should have sampled but got no token (a failed
   step) is rolled back to the step's start, to be recomputed or finished by
   the caller.
-* Speculative decoding (a `DraftPolicy`): a decode step may also verify the
-  drafts the proposer made from the request's latest output (`draft_token_ids`
-  of `update_from_output`); the policy says how many. They are scheduled after
-  its last token (`num_draft_tokens`), within the token budget, `max_tokens`
-  and `max_model_len`, with KV allocated for them, but never enter
-  `all_token_ids`, so never a block hash or a connector's save. The output
-  brings the accepted drafts and one more token; `num_computed_tokens` and the
-  blocks past it roll back over the rejected ones. With async scheduling a
-  drafting request is continued before that output is back, optimistically:
-  the next plan holds placeholders for the token plan S samples and for the
-  drafts its proposer makes, at the positions they take if S accepts all of
-  its drafts (the first stage fills them in from the last stage, and the last
-  stage verifies them against its own proposals). If S rejects any, that
-  continuation is void: its rows are computed past the valid KV and dropped.
-  The request goes on at once from its accepted tokens, in any later plan (its
-  rows there overwrite the void ones: stages run plans in order); only its
-  blocks wait for the void plan to be back before they are trimmed.
+* Speculative decoding (a `DraftPolicy`; `scheduler_spec.py`): a decode step
+  may also verify the drafts the proposer made from the request's latest
+  output (`draft_token_ids` of `update_from_output`), never part of its tokens;
+  rejected ones roll back. With async scheduling a drafting request is
+  continued optimistically, void if the plan before rejects any draft.
 * A request finished while in flight (abort, stop string) frees its blocks
   now; its late output is dropped, and its id stays taken until that plan is
   back, so a new request cannot inherit the old one's in-flight step.
@@ -98,10 +86,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
-from asyncpp.core.plan import NewRequestData, ScheduledRequest, StepPlan
+from asyncpp.core.plan import NewRequestData, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
 from asyncpp.core.scheduler_kv import KVTransferScheduling
+from asyncpp.core.scheduler_spec import SpecDecodeScheduling
 from asyncpp.core.step_builder import StepBuilder
 from asyncpp.core.stop import check_stop
 from asyncpp.kv.block_manager import BlockManager
@@ -110,7 +99,7 @@ from asyncpp.kv_transfer.metadata import KVConnectorOutput
 from asyncpp.speculative.policy import DraftPolicy
 
 
-class Scheduler(KVTransferScheduling):
+class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -160,11 +149,8 @@ class Scheduler(KVTransferScheduling):
         self._finished_req_ids: list[str] = []  # for the next plan
         self._next_step_id = 0
         self._num_preemptions = 0
-        self.draft_policy = draft_policy
-        k = draft_policy.num_speculative_tokens if draft_policy is not None else 0
-        self._spec_counts = [0, 0, 0]  # drafts (request steps), draft tokens, accepted tokens
-        self._spec_accepted_per_pos = [0] * k
         self._init_kv_transfer(connector, clock)
+        self._init_spec_decode(draft_policy)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -202,10 +188,7 @@ class Scheduler(KVTransferScheduling):
             num_waiting_for_remote_kvs=len(self._waiting_for_remote),
             num_external_prefix_hit_tokens=self.num_external_hit_tokens,
             num_failed_load_tokens=self.num_failed_load_tokens,
-            spec_decode_num_drafts=self._spec_counts[0],
-            spec_decode_num_draft_tokens=self._spec_counts[1],
-            spec_decode_num_accepted_tokens=self._spec_counts[2],
-            spec_decode_num_accepted_tokens_per_pos=list(self._spec_accepted_per_pos),
+            **self._spec_decode_stats(),
         )
 
     # ------------------------------------------------------------------ requests
@@ -358,11 +341,7 @@ class Scheduler(KVTransferScheduling):
                 if not request.is_in_flight and not self._holds_blocks(request):
                     self._forget(request)
                 continue
-            if request.void_step_id == plan.step_id:  # a continuation the plan before made void
-                request.void_step_id = None
-                if not request.is_in_flight:  # (it may have gone on meanwhile, in a later plan)
-                    request.num_draft_tokens = 0
-                    self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
+            if self._take_void(request, plan.step_id):  # a continuation the plan before made void
                 continue
             if self.connector is not None and self._take_recompute(request):
                 continue  # it read KV a load within a plan failed to bring: computed again
@@ -377,11 +356,8 @@ class Scheduler(KVTransferScheduling):
                 request.draft_token_ids = []
                 continue
             token_ids = sampled_token_ids[scheduled.request_id]
-            if scheduled.num_draft_tokens:
-                self._roll_back_rejected(request, plan.step_id, scheduled, len(token_ids) - 1)
-            elif request.draft_token_ids and self.draft_policy is not None:
-                # No draft verified: the token sampled is what the first one would have met.
-                self.draft_policy.observe_acceptance(request.request_id, 1, int(token_ids[0] == request.draft_token_ids[0]))
+            if self.draft_policy is not None:
+                self._apply_verification(request, plan.step_id, scheduled, token_ids)
             if draft_token_ids is not None:
                 request.draft_token_ids = draft_token_ids.get(scheduled.request_id) or []
             new_token_ids = []
@@ -437,50 +413,6 @@ class Scheduler(KVTransferScheduling):
             request.num_output_tokens + num_new < request.sampling_params.max_tokens
             and request.num_tokens + num_new < self.max_model_len
         )
-
-    def _num_drafts(self, request: Request, num_in_flight: int, num_budget: int, num_step_reqs: int) -> int:
-        """How many drafts a decode step of `request` verifies: what the policy wants of those its latest
-        output brought (a continuation: as many as its plan in flight will propose), such that the step
-        passes neither `max_tokens` nor `max_model_len` nor the token budget (`num_budget`, its decode
-        token included). `num_in_flight`: tokens its plan in flight samples first, if all accepted."""
-        num_room = min(
-            request.sampling_params.max_tokens - request.num_output_tokens - num_in_flight - 1,
-            self.max_model_len - request.num_tokens - num_in_flight - 1,
-            num_budget - 1,
-        )
-        num_available = min(len(request.draft_token_ids), num_room)
-        return self.draft_policy.num_drafts(request.request_id, num_available, num_step_reqs, self.async_scheduling)
-
-    def _roll_back_rejected(
-        self, request: Request, step_id: int, scheduled: ScheduledRequest, num_accepted: int
-    ) -> None:
-        """Plan `step_id` verified the drafts of `scheduled` and accepted `num_accepted`: the KV of the
-        rejected ones is not the request's (computed from wrong tokens), and the blocks holding only
-        them go. A continuation in flight, placed after all of them, is void."""
-        num_drafts = scheduled.num_draft_tokens
-        if not 0 <= num_accepted <= num_drafts:
-            raise ValueError(
-                f"request {request.request_id!r}: {num_accepted} drafts accepted of the {num_drafts} verified"
-            )
-        if request.last_step_id == step_id:
-            request.num_draft_tokens = 0
-        if num_accepted < num_drafts:
-            if request.is_in_flight:  # its continuation computed from positions the request never reaches
-                request.void_step_id = request.last_step_id
-                request.num_placeholders = 0
-                request.num_draft_tokens = 0
-            # Valid KV: up to the step's start, then its tokens before the drafts and the accepted drafts.
-            request.num_computed_tokens = scheduled.start_position + scheduled.num_tokens - num_drafts + num_accepted
-        if not request.is_in_flight:
-            # Its next step's slot (the token sampled now) stays; blocks only past it hold drafts.
-            self._block_manager.trim(request.request_id, request.num_computed_tokens + 1)
-        self.draft_policy.observe_acceptance(request.request_id, num_drafts, num_accepted)
-        counts = self._spec_counts
-        counts[0] += 1
-        counts[1] += num_drafts
-        counts[2] += num_accepted
-        for pos in range(num_accepted):
-            self._spec_accepted_per_pos[pos] += 1
 
     def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
         """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
