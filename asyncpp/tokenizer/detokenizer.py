@@ -78,10 +78,6 @@ class IncrementalDetokenizer:
             return DetokenizerDelta(new_text, None)
         return self._emit(new_text, is_final=False)
 
-    @property
-    def has_stop_strings(self) -> bool:
-        return bool(self._stops)
-
     def add_tokens_until_stop(self, new_token_ids: Sequence[int]) -> tuple[DetokenizerDelta, int]:
         """Like `add_tokens`, one token at a time, stopping at the token that completes a stop string.
         Returns the delta and how many of `new_token_ids` it took (the rest come after the stop)."""

@@ -104,7 +104,7 @@ class StepInputBuffers:
         )
 
 
-def padded_drafts(drafts: list[int], num_drafts: int) -> list[int]:
+def _padded_drafts(drafts: list[int], num_drafts: int) -> list[int]:
     """The `num_drafts` drafts a continuation verifies: the proposer's, padded by repeating its last
     (or token 0). Padding is only a poor guess: verification decides, as for any draft. The first
     stage (filling its inputs) and the last (verifying) pad alike."""
@@ -117,7 +117,7 @@ def _drafts_of(r, latest_drafts: dict[str, list[int]]) -> list[int]:
     """The drafts a scheduled request verifies: in the plan, or (a continuation) the latest proposed."""
     drafts = r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
     if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:
-        return padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
+        return _padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
     return list(drafts)
 
 
@@ -140,5 +140,5 @@ def _fill_placeholders(
     for i, r in enumerate(reqs):
         if r.num_draft_tokens and r.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
             first = int(starts[i]) + r.num_tokens - r.num_draft_tokens
-            drafts = padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
+            drafts = _padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
             token_ids[first : first + r.num_draft_tokens] = drafts
