@@ -387,6 +387,110 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
         }
 }
 
+/* ---- More rows than one tile: a BLOCK's q expanded once ----
+ *
+ * Streaming tiles each expand the q of the BLOCK they stream, so 40 rows (5 Q4 tiles) expand every
+ * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more rows than one
+ * tile, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB panels][k / 2
+ * pairs] zmm, the float path's layout: 72 KB for k = 576, L2-resident) with d and m widened to float32
+ * ([k / 32][NB][16] each), then runs tiles of up to 6 rows x 4 panels over it (24 zmm of partial sums,
+ * acc in an L1-resident array): 4 weight loads and 6 broadcasts per 24 dpbf16. Every output is the
+ * same operations on the same operands in the same order as in a streaming tile (pairs in order into
+ * `part`, then d, then m, blocks in order), so the same bits: a row's result still does not depend on
+ * its batch. */
+
+#define QE_TILE_ROWS 6
+
+struct qb_expanded {
+    __m512bh *w;  /* [NB][k / 2]: panel j's operand for input pair kp at w[j * k / 2 + kp] */
+    float *d, *m; /* [k / 32][NB][PANEL]: the scales (and Q4_1 offsets) as float32 */
+};
+
+/* Expand one BLOCK's packed blocks `wb` into `e`. */
+static void qb_expand_block(const int fmt, const uint8_t *wb, int64_t k, __m512i q4_table, const struct qb_expanded *e) {
+    const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), hdr = qb_header_bytes(fmt), kpairs = k / 2;
+    for (int64_t b = 0; b < nb; b++)
+        for (int j = 0; j < NB; j++) {
+            const uint8_t *blk = wb + (b * NB + j) * pb;
+            __m512bh *w = e->w + j * kpairs + b * QPAIRS;
+            for (int p = 0; p < QPAIRS; p += 2) qb_pairs(fmt, blk + hdr, p, q4_table, &w[p], &w[p + 1]);
+            _mm512_store_ps(e->d + (b * NB + j) * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
+            if (fmt == QB_Q4_1)
+                _mm512_store_ps(e->m + (b * NB + j) * PANEL,
+                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2))));
+        }
+}
+
+/* Rows [0, mt) times the expanded BLOCK `e`, over all of k; `with_m`: Q4_1 (add m * sx per block).
+ * `next` (NULL: none): the packed blocks of the thread's next BLOCK, `block_bytes` per 32 inputs,
+ * requested into L2 meanwhile (one 32-input block per 32-input block computed), so that reading
+ * memory overlaps the arithmetic as in the streaming tiles. */
+static inline __attribute__((always_inline)) void qe_tile(const int with_m, const int mt, const uint16_t *x,
+                                                          int64_t ldx, const float *sx, const struct qb_expanded *e,
+                                                          const char *next, int64_t block_bytes, int64_t k,
+                                                          uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {
+    const int64_t nb = k / QK, kpairs = k / 2;
+    float acc[QE_TILE_ROWS][NB][PANEL] __attribute__((aligned(64)));
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB; j++) _mm512_store_ps(acc[i][j], _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; b++) {
+        if (next != NULL)
+            for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + b * block_bytes + off, _MM_HINT_T1);
+        __m512 part[QE_TILE_ROWS][NB];
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
+        for (int p = 0; p < QPAIRS; p++) {
+            const int64_t kp = b * QPAIRS + p;
+            __m512bh w[NB];
+            for (int j = 0; j < NB; j++) w[j] = e->w[j * kpairs + kp];
+            for (int i = 0; i < mt; i++) {
+                const __m512bh a = x_pair(x + i * ldx, kp);
+                for (int j = 0; j < NB; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w[j]);
+            }
+        }
+        for (int j = 0; j < NB; j++) {
+            const __m512 d = _mm512_load_ps(e->d + (b * NB + j) * PANEL);
+            const __m512 m = with_m ? _mm512_load_ps(e->m + (b * NB + j) * PANEL) : _mm512_setzero_ps();
+            for (int i = 0; i < mt; i++) {
+                __m512 a = _mm512_fmadd_ps(d, part[i][j], _mm512_load_ps(acc[i][j]));
+                if (with_m) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), a);
+                _mm512_store_ps(acc[i][j], a);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < NB && n0 + j * PANEL < n; j++)
+            store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, _mm512_load_ps(acc[i][j]));
+}
+
+typedef void (*qe_tile_fn)(const uint16_t *, int64_t, const float *, const struct qb_expanded *, const char *, int64_t,
+                           int64_t, uint16_t *, int64_t, int64_t, int64_t);
+#define QE_TILE_DEF(M, R)                                                                                    \
+    static __attribute__((noinline, aligned(64))) void qe_tile_##M##_##R(                                    \
+        const uint16_t *x, int64_t ldx, const float *sx, const struct qb_expanded *e, const char *next,     \
+        int64_t block_bytes, int64_t k, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {                   \
+        qe_tile(M, R, x, ldx, sx, e, next, block_bytes, k, y, ldy, n0, n);                                   \
+    }
+/* More than 8 rows in near-equal tiles of at most 6 take 4 to 6 rows each (9 = 4 + 5). */
+#define QE_MIN_TILE_ROWS 4
+#define QE_SHAPES(M) QE_TILE_DEF(M, 4) QE_TILE_DEF(M, 5) QE_TILE_DEF(M, 6)
+QE_SHAPES(0)
+QE_SHAPES(1)
+/* By [with_m][rows - QE_MIN_TILE_ROWS]. */
+static const qe_tile_fn qe_tiles[2][QE_TILE_ROWS - QE_MIN_TILE_ROWS + 1] = {{qe_tile_0_4, qe_tile_0_5, qe_tile_0_6},
+                                                                            {qe_tile_1_4, qe_tile_1_5, qe_tile_1_6}};
+
+/* A per-thread expansion buffer for k inputs; w == NULL if it could not be allocated. */
+static struct qb_expanded qb_expanded_alloc(int64_t k) {
+    const size_t w_bytes = (size_t)(NB * (k / 2)) * sizeof(__m512bh), s_bytes = (size_t)(k / QK * NB * PANEL) * sizeof(float);
+    struct qb_expanded e = {aligned_alloc(64, w_bytes), aligned_alloc(64, s_bytes), aligned_alloc(64, s_bytes)};
+    if (e.w == NULL || e.d == NULL || e.m == NULL) {
+        free(e.w), free(e.d), free(e.m);
+        e = (struct qb_expanded){NULL, NULL, NULL};
+    }
+    return e;
+}
+
 #endif
 
 /* y [m, n] bf16 = x [m, k] bf16 @ w^T, w packed by linear_bf16_q_pack. Returns 0, -1 without AVX512-BF16,
@@ -407,14 +511,33 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
     const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS_Q8 : QB_TILE_ROWS_Q4;
     const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
     const qb_tile_fn *tiles = fmt == QB_Q8_0 ? qb_tiles_q8_0 : fmt == QB_Q4_0 ? qb_tiles_q4_0 : qb_tiles_q4_1;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
-    for (int64_t b = 0; b < num_blocks; b++) {
-        const uint8_t *wb = packed + b * block_bytes;
-        for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
-            const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
-            const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
-            tiles[i1 - i0 - 1](x + i0 * ldx, ldx, tile_sx, t == 0, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+    const int64_t num_e_tiles = (m + QE_TILE_ROWS - 1) / QE_TILE_ROWS;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
+    {
+        /* More rows than one tile: expand each BLOCK once (without the buffer: stream, the same bits). */
+        struct qb_expanded e = num_tiles > 1 ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < num_blocks; b++) {
+            const uint8_t *wb = packed + b * block_bytes;
+            if (e.w != NULL) {
+                qb_expand_block(fmt, wb, k, table, &e);
+                for (int64_t t = 0; t < num_e_tiles; t++) { /* near-equal tiles: 20 rows = 5 + 5 + 5 + 5 */
+                    const int64_t i0 = t * m / num_e_tiles, i1 = (t + 1) * m / num_e_tiles;
+                    const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
+                    const char *next = t == 0 ? (const char *)(wb + block_bytes) : NULL; /* may pass the end: a hint */
+                    qe_tiles[fmt == QB_Q4_1][i1 - i0 - QE_MIN_TILE_ROWS](x + i0 * ldx, ldx, tile_sx, &e, next,
+                                                                         block_bytes / nb, k, y + i0 * ldy, ldy,
+                                                                         b * BLOCK, n);
+                }
+                continue;
+            }
+            for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
+                const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
+                const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
+                tiles[i1 - i0 - 1](x + i0 * ldx, ldx, tile_sx, t == 0, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+            }
         }
+        free(e.w), free(e.d), free(e.m);
     }
     free(sx);
     return 0;

@@ -129,8 +129,9 @@ def test_gguf_blocks_equal_bfloat16_inputs_times_the_exact_weights(kernel, fmt, 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_gguf_block_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, fmt):
-    """Every tile shape (Q4: 1-8 rows, Q8_0: 1-16; 1 to 4 panels at once, acc in registers or memory)
-    and thread count gives a row the same bits."""
+    """Every tile shape (streaming, Q4: 1-8 rows, Q8_0: 1-16, 1 to 4 panels at once, acc in registers
+    or memory; more rows than one streaming tile: a BLOCK expanded once, tiles of 4-6 rows) and thread
+    count gives a row the same bits."""
     for out_features, in_features in GGUF_SHAPES:
         raw, _ = _gguf_case(fmt, out_features, in_features, seed=out_features)
         packed = kernel.pack_blocks(fmt, raw, out_features, in_features)
