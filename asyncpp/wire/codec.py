@@ -7,35 +7,22 @@ dicts, frozensets, optionals, unions of simple types). Anything unexpected
 raises `WireError` with the offending field named, so a bad frame from one
 peer becomes an error reply, never a crash or a silently wrong value.
 
-The generic walk below (`_to_plain`, `_from_plain`) is the reference; the
-hot path uses per-class functions compiled from the same hints
-(`asyncpp.wire.compiled`) and falls back to the reference whenever a frame
-does not fit them, so errors read the same either way. Sets are sent
+The generic walk (`to_plain`, `from_plain`, in `asyncpp.wire.reference`) is
+the reference; the hot path uses per-class functions compiled from the same
+hints (`asyncpp.wire.compiled`) and falls back to the reference whenever a
+frame does not fit them, so errors read the same either way. Sets are sent
 sorted, so equal messages always make equal frames.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import types
-import typing
 from typing import Any
 
 import msgpack
 
-from asyncpp.wire.compiled import Mismatch, canonical_order, decoder_for, encoder_for, hints_of
-
-
-class WireError(ValueError):
-    """A frame that does not decode into a known, well-typed message.
-
-    `tag` and `request_id` are what the frame's head still says (None where it does
-    not): a frame too big or too broken to decode may still name the request it was."""
-
-    tag: str | None = None
-    request_id: str | None = None
-
+from asyncpp.wire.compiled import Mismatch, decoder_for, encoder_for
+from asyncpp.wire.reference import WireError, from_plain, to_plain
 
 _REGISTRY: dict[str, type] = {}
 
@@ -61,7 +48,7 @@ def encode(msg: Any) -> bytes:
     try:
         return _pack([tag, encoder_for(cls)(msg)])
     except TypeError:  # a value unlike its hint (a set where a list is declared): walk it generically
-        return _pack([tag, _to_plain(msg)])
+        return _pack([tag, to_plain(msg)])
 
 
 def decode(frame: bytes, max_bytes: int | None = None) -> Any:
@@ -74,7 +61,7 @@ def decode(frame: bytes, max_bytes: int | None = None) -> Any:
 
 def packed_size(value: Any) -> int:
     """Bytes `value` (a message, or any field of one) takes in a frame."""
-    return len(_pack(_to_plain(value)))
+    return len(_pack(to_plain(value)))
 
 
 def _peek_head(frame: bytes, max_fields: int = 8) -> tuple[str | None, str | None]:
@@ -114,75 +101,8 @@ def _decode(frame: bytes, max_bytes: int | None) -> Any:
     try:
         return decoder_for(cls)(obj[1])
     except Mismatch:  # something is off: the reference walk finds it and names the field
-        return _from_plain(cls, obj[1], cls.__name__)
+        return from_plain(cls, obj[1], cls.__name__)
 
 
 def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (frozenset, set)):
-        return [_to_plain(v) for v in canonical_order(value)]
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value
-
-
-def _from_plain(hint: Any, value: Any, where: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise WireError(f"{where} must be a map, got {type(value).__name__}")
-        hints = hints_of(hint)
-        names = {f.name for f in dataclasses.fields(hint)}
-        unknown = set(value) - names
-        if unknown:
-            # Keys may be str and bytes (msgpack bin) at once, which do not compare: sort by repr.
-            raise WireError(f"{where}: unknown field {sorted(unknown, key=repr)[0]!r}")
-        kwargs = {k: _from_plain(hints[k], v, f"{where}.{k}") for k, v in value.items()}
-        try:
-            return hint(**kwargs)
-        except TypeError as e:  # a required field is missing
-            raise WireError(f"{where}: {e}") from e
-        except ValueError as e:  # the class's own validation
-            raise WireError(f"{where}: {e}") from e
-    if hint is Any:
-        return value
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _from_plain(arg, value, where)
-            except WireError as e:
-                errors.append(str(e))
-        raise WireError(errors[0] if len(errors) == 1 else f"{where}: no type of {hint} matches {value!r:.80}")
-    if origin in (list, tuple, frozenset, set):
-        if not isinstance(value, list):
-            raise WireError(f"{where} must be a list, got {type(value).__name__}")
-        item = args[0] if args else Any
-        items = [_from_plain(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return origin(items) if origin is not list else items
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise WireError(f"{where} must be a map, got {type(value).__name__}")
-        key_t, val_t = args
-        return {_from_plain(key_t, k, f"{where} key"): _from_plain(val_t, v, f"{where}[{k!r}]") for k, v in value.items()}
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise WireError(f"{where} must be a number, got {type(value).__name__}")
-    if hint is int and isinstance(value, bool):
-        raise WireError(f"{where} must be an integer, got bool")
-    if isinstance(hint, type) and not isinstance(value, hint):
-        raise WireError(f"{where} must be {hint.__name__}, got {type(value).__name__}")
-    return value

@@ -1,15 +1,15 @@
 """Per-type encoders and decoders, built once per message class from its type hints.
 
-`asyncpp.wire.codec` walks values generically (`_to_plain`, `_from_plain`):
+`asyncpp.wire.reference` walks values generically (`to_plain`, `from_plain`):
 every int of every token list costs a recursive call and a few `isinstance`
 checks, and plans, stage outputs and deltas cross a socket every step. These
 compiled functions do the same work with the type decisions taken ahead of
 time: a `list[int]` is checked with one C-level pass and passed through.
 
 Contract (the generic walker stays the reference):
-* `encoder_for(hint)(value)` returns what `_to_plain(value)` returns, up to
+* `encoder_for(hint)(value)` returns what `to_plain(value)` returns, up to
   tuples standing for lists (msgpack packs both as arrays).
-* `decoder_for(hint)(value)` returns what `_from_plain(hint, value, ...)`
+* `decoder_for(hint)(value)` returns what `from_plain(hint, value, ...)`
   returns for every value msgpack can produce, or raises `Mismatch` where the
   reference would raise (or, for a hint it does not compile, where it has not
   checked). It never names the bad field: on `Mismatch` the codec re-decodes
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from functools import cache
 from typing import Any
 
+from asyncpp.wire.reference import WireError, canonical_order, from_plain, hints_of, to_plain
+
 Encoder = Callable[[Any], Any]
 Decoder = Callable[[Any], Any]
 
@@ -36,11 +38,6 @@ _SEQUENCES = (list, tuple, frozenset, set)
 
 class Mismatch(Exception):
     """The value is not of the hinted type (or might not be): decode it with the reference walker."""
-
-
-@cache
-def hints_of(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
 
 
 def _args(hint: Any) -> tuple[Any, ...]:
@@ -63,19 +60,9 @@ def is_plain(hint: Any) -> bool:
 
 
 # ---- encoding ---------------------------------------------------------------------------------
-def canonical_order(values: Any) -> list[Any]:
-    """A set's items sorted (by repr where they do not compare): its iteration order depends on hashing."""
-    try:
-        return sorted(values)
-    except TypeError:
-        return sorted(values, key=repr)
-
-
 @cache
 def encoder_for(hint: Any) -> Encoder | None:
     """None where the value goes to msgpack as it is; else a function making it msgpack-ready."""
-    from asyncpp.wire.codec import _to_plain  # the reference, for types compiled no further
-
     if is_plain(hint):
         return None
     if dataclasses.is_dataclass(hint):
@@ -93,22 +80,20 @@ def encoder_for(hint: Any) -> Encoder | None:
         (inner,) = [a for a in args if a is not _NONE]
         item = encoder_for(inner)
         return lambda value: None if value is None else item(value)
-    return _to_plain
+    return to_plain
 
 
 def _dataclass_encoder(cls: type) -> Encoder:
-    from asyncpp.wire.codec import _to_plain
-
     hints = hints_of(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     plain = [n for n in names if encoder_for(hints[n]) is None]
     if len(plain) == len(names):
-        return lambda obj: {n: getattr(obj, n) for n in names} if type(obj) is cls else _to_plain(obj)
+        return lambda obj: {n: getattr(obj, n) for n in names} if type(obj) is cls else to_plain(obj)
     fields = [(n, encoder_for(hints[n])) for n in names]
 
     def encode(obj: Any) -> Any:
         if type(obj) is not cls:  # a subclass or a stand-in: the generic walk handles it
-            return _to_plain(obj)
+            return to_plain(obj)
         return {n: getattr(obj, n) if enc is None else enc(getattr(obj, n)) for n, enc in fields}
 
     return encode
@@ -231,11 +216,9 @@ def _dataclass_decoder(cls: type) -> Decoder:
 
 
 def _uncompiled(hint: Any) -> Decoder:
-    from asyncpp.wire.codec import WireError, _from_plain
-
     def decode(value: Any) -> Any:
         try:
-            return _from_plain(hint, value, "")
+            return from_plain(hint, value, "")
         except WireError:
             raise Mismatch from None
 

@@ -8,28 +8,29 @@ import random
 import msgpack
 import pytest
 
-from asyncpp.wire.codec import _REGISTRY, WireError, _from_plain, _to_plain, decode, encode
+from asyncpp.wire.codec import _REGISTRY, decode, encode
 from asyncpp.wire.compiled import Mismatch, decoder_for, encoder_for
+from asyncpp.wire.reference import WireError, from_plain, to_plain
 from tests.wire.test_messages import MESSAGES, WRONG_TYPES
 
 LEAVES = [0, 7, -1, 1.5, 2.0, True, False, None, "", "x", b"x", [], [1, 2], ["a"], [1.5], {}, {"a": 1}, [None], [[]]]
 
 
 def plain(msg):
-    return msgpack.unpackb(msgpack.packb(_to_plain(msg), use_bin_type=True), raw=False)
+    return msgpack.unpackb(msgpack.packb(to_plain(msg), use_bin_type=True), raw=False)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_compiled_encoder_makes_the_reference_frame(msg):
     fast = encoder_for(type(msg))(msg)
-    assert msgpack.packb(fast, use_bin_type=True) == msgpack.packb(_to_plain(msg), use_bin_type=True)
+    assert msgpack.packb(fast, use_bin_type=True) == msgpack.packb(to_plain(msg), use_bin_type=True)
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_compiled_decoder_builds_the_reference_value(msg):
     fields = plain(msg)
     fast = decoder_for(type(msg))(copy.deepcopy(fields))
-    ref = _from_plain(type(msg), copy.deepcopy(fields), type(msg).__name__)
+    ref = from_plain(type(msg), copy.deepcopy(fields), type(msg).__name__)
     assert fast == ref == msg
     assert _types(fast) == _types(ref)
 
@@ -61,7 +62,7 @@ def test_random_mutations_decode_the_same_both_ways():
         for _ in range(rng.randint(1, 3)):
             _mutate(fields, rng)
         try:
-            ref = _from_plain(cls, copy.deepcopy(fields), cls.__name__)
+            ref = from_plain(cls, copy.deepcopy(fields), cls.__name__)
         except WireError:
             with pytest.raises(Mismatch):
                 decoder_for(cls)(copy.deepcopy(fields))
