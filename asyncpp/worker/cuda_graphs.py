@@ -14,8 +14,14 @@ block past the last block the engine hands out (`pad_slot`), and they attend
 one key. The attention kernel treats every query row on its own, so no
 uniform query length is needed and `num_reqs` is never adjusted (seed 002).
 
-Prefills and mixed steps, and decode steps larger than the largest size,
-run eagerly. In-process stages (no ring) read from a buffer of their own
+With speculative decoding a request's step carries its last token and up
+to k drafts (`max_tokens_per_req` = 1 + k): the rows are still independent
+(each its own position, slot, block table and context length), so such a
+verification step of `t` rows replays the graph of the smallest size
+`>= t` like a decode step of `t` requests; the logits of the rows that are
+verified are taken from the graph's output outside it. Prefills, steps with
+more than `max_tokens_per_req` rows for some request, and steps larger than
+the largest size run eagerly. In-process stages (no ring) read from a buffer of their own
 (`copy_inputs`), into which the previous stage's output is copied. With `capture=False` the same static-buffer path runs without
 graphs: that is how CPU tests check the padding and buffer logic.
 """
@@ -55,6 +61,7 @@ class DecodeGraphs:
         copy_inputs: bool = False,  # True: input_slots is our own buffer, activations are copied in
         device: torch.device,
         capture: bool,
+        max_tokens_per_req: int = 1,  # 1 + k with speculative decoding: a request's last token and its drafts
     ) -> None:
         if not sizes:
             raise ValueError("no CUDA graph sizes")
@@ -65,6 +72,7 @@ class DecodeGraphs:
         self.block_size, self.pad_slot = block_size, pad_slot
         self.input_slots = input_slots if not model.is_first else None
         self.device, self.capture, self.copy_inputs = device, capture, copy_inputs
+        self.max_tokens_per_req = max_tokens_per_req
         max_b = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_b, **i64)
@@ -84,10 +92,11 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def padded_size(self, inputs: StepInputs, num_reqs: int) -> int | None:
-        """The captured size for this step, or None to run it eagerly (not decode-only, too large)."""
-        if inputs.num_tokens != num_reqs or num_reqs > self.max_size or inputs.attn_meta.kernel_rows is None:
+        """The captured size for this step, or None to run it eagerly (a prefill, too large)."""
+        n = inputs.num_tokens
+        if n > num_reqs * self.max_tokens_per_req or n > self.max_size or inputs.attn_meta.kernel_rows is None:
             return None
-        return next(b for b in self.sizes if b >= num_reqs)
+        return next(b for b in self.sizes if b >= n)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

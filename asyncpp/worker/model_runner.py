@@ -148,6 +148,7 @@ class ModelRunner:
             copy_inputs=copy_inputs,
             device=self.device,
             capture=self.device.type == "cuda",  # CPU: the same static buffers, no graphs
+            max_tokens_per_req=1 + self.num_speculative_tokens,
         )
         self.graphs.capture_all()
 

@@ -114,11 +114,14 @@ def _linear_backend(stored_kernel: NativeKernel | None, bf16_kernel: bool, num_p
 
 
 def decode_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
-    """The decode batch sizes a stage on `device` captures CUDA graphs for (none on CPU)."""
+    """The decode step sizes (rows) a stage on `device` captures CUDA graphs for (none on CPU): up to
+    one row per running request, 1 + k with speculative decoding (verification steps replay them too)."""
     if not (is_cuda(device) and config.model.cuda_graphs):
         return ()
     sizes, max_tokens = config.model.cuda_graph_sizes, config.scheduler.max_num_batched_tokens
-    fitting = tuple(b for b in sizes if b <= min(config.scheduler.max_num_seqs, max_tokens))
+    spec = config.speculative
+    max_rows = config.scheduler.max_num_seqs * (1 + spec.num_speculative_tokens if spec.is_enabled else 1)
+    fitting = tuple(b for b in sizes if b <= min(max_rows, max_tokens))
     if fitting:
         return fitting
     # Every size is over max_num_seqs: the smallest still serves every decode step, padded.

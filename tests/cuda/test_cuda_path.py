@@ -89,6 +89,21 @@ def test_pp_sizes_and_graphs_give_identical_tokens(tiny_hf_dir, prompts, referen
         assert all(sum(r.graphs.num_runs.values()) > 0 for r in engine.executor.runners)
 
 
+@pytest.mark.parametrize("pp_size,split", [(1, ()), (2, (2, 2))])
+def test_verification_steps_replay_the_graphs(tiny_hf_dir, pp_size, split):
+    """Speculative decoding: steps of 1 + k rows per request replay the captured graphs, and greedy
+    tokens equal plain decoding's."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+    prompts = [p[:8] * 3 + p[8:] for p in tiny_prompts(320, 2, seed=1)]  # repeats: the proposer drafts
+    plain = [r.token_ids for r in Engine(cuda_config(tiny_hf_dir, graphs=False)).generate(prompts, GREEDY_32)]
+    engine = Engine(cuda_config(tiny_hf_dir, parallel={"pp_size": pp_size, "layer_split": split}, speculative=spec))
+    assert [r.token_ids for r in engine.generate(prompts, GREEDY_32)] == plain
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for runner in engine.executor.runners:
+        runs = runner.graphs.num_runs  # two requests: a step of more than 2 rows carried drafts
+        assert runner.graphs.capture and runs[4] + runs[8] > 0, runs
+
+
 @pytest.mark.parametrize("pp_size,split", [(2, (2, 2)), (3, (1, 2, 1))])
 async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, tiny_hf_dir, prompts, reference, pp_size, split):
     sections = tiny_sections(tiny_hf_dir, pp_size, split, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]})

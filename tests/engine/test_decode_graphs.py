@@ -63,3 +63,25 @@ def test_padding_block_is_never_handed_out(tiny_hf_dir, monkeypatch):
     assert engine.block_manager.num_blocks == 20
     assert runner.kv_caches[0][0].shape[0] == 21 * 16  # one more block: the padding rows' K/V
     assert runner.graphs.pad_slot == 20 * 16
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "adaptive": False}
+
+
+@pytest.mark.parametrize("pp_size", [1, 2])
+def test_verification_steps_run_from_the_static_buffers(tiny_hf_dir, pp_size, monkeypatch):
+    """With speculative decoding a request's step carries its last token and its drafts (1 + k rows);
+    such a step runs from the static buffers like a decode step of as many requests, and the tokens
+    stay those of plain eager decoding."""
+    prompts = [p[:8] * 3 + p[8:] for p in tiny_prompts(320, 2, seed=1)]  # repeats: the proposer drafts
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, params)]
+    monkeypatch.setattr(engine_module, "decode_graph_sizes", lambda config, device: (1, 2, 4, 8, 16))
+    engine = Engine(tiny_config(tiny_hf_dir, parallel={"pp_size": pp_size}, speculative=SPEC))
+    assert all(r.graphs.max_tokens_per_req == 5 for r in engine.executor.runners)
+    assert [r.token_ids for r in engine.generate(prompts, params)] == plain
+    assert engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for runner in engine.executor.runners:
+        # Two requests: a step of more than 2 rows (sizes 4 to 16) carried drafts.
+        runs = runner.graphs.num_runs
+        assert runs[8] + runs[16] > 0, runs
