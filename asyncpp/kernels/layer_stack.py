@@ -1,14 +1,14 @@
 """A model slice's decoder layers in one C call (`layer_stack.c`): the CPU fast path of native weights.
 
 `LayerStack.build(model, isa)` returns a stack for a CPU `LlamaModel` whose
-linears are all `NativeLinear` (float32 over `qlinear`, or bfloat16 over GGUF
-blocks through `linear_bf16_q`) and whose elementwise ops are fused, or None
-when some part is missing (another device, no C compiler, a layer with more
-than `MAX_RUNS` weight formats, bfloat16 over float-format weights). The
-stack calls the very kernels the modules call, in the same order, so its
-output is bit-identical to the module-by-module forward (tested); what it
-saves is the Python between them, about 0.1 ms per layer, which on a one-request decode step is a quarter
-of the step.
+linears are all `StackableLinear` (the model's `NativeLinear`: float32 over
+`qlinear`, or bfloat16 over GGUF blocks through `linear_bf16_q`) and whose
+elementwise ops are fused, or None when some part is missing (another device,
+no C compiler, a layer with more than `MAX_RUNS` weight formats, bfloat16 over
+float-format weights). The stack calls the very kernels the modules call, in
+the same order, so its output is bit-identical to the module-by-module forward
+(tested); what it saves is the Python between them, about 0.1 ms per layer,
+which on a one-request decode step is a quarter of the step.
 
 The weight table is built once per KV cache (caches do not move); per step
 only the token metadata, the activations and a scratch buffer travel.
@@ -17,16 +17,13 @@ only the token metadata, the activations and a scratch buffer travel.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
+from asyncpp.kernels.fused_ops import FusedOps
 from asyncpp.kernels.qlinear import BLOCK_FORMATS, FORMATS
-
-if TYPE_CHECKING:  # the model imports this module; only type names go the other way
-    from asyncpp.model.attention import AttentionMetadata
-    from asyncpp.model.llama import LlamaModel
 
 MAX_RUNS = 4
 # Activation dtype -> (library, function) of the linears: the same signature, (fmt, x, ldx, m, packed, n, k, y, ldy,
@@ -93,6 +90,46 @@ class _Step(ctypes.Structure):
     ]
 
 
+# The model imports this module, so the stack names no model class: what it reads of the model's objects is
+# spelled out here (`StackableLinear`, `StackModel`, `StepMeta`).
+class StackModel(Protocol):
+    """What the stack reads of a model slice (the model's `LlamaModel`): its arch's sizes, fused ops, RoPE
+    tables, and per decoder layer the norms, the four linears and the attention scale."""
+
+    arch: Any
+    fused: FusedOps | None
+    rope: Any
+    layers: Any
+
+
+class StepRows(Protocol):
+    """The decode attention kernel's share of a step (the model's `_KernelRows`)."""
+
+    rows: torch.Tensor
+    block_table: torch.Tensor
+    context_lens: torch.Tensor
+    max_context_len: int
+
+
+class StepMeta(Protocol):
+    """What the stack reads of a step's attention metadata (the model's `AttentionMetadata`)."""
+
+    slot_mapping: torch.Tensor
+    block_size: int
+
+    @property
+    def kernel_rows(self) -> StepRows | None: ...
+
+
+class StackableLinear:
+    """A linear the stack can run; the model's `NativeLinear` derives from it. The stack reads `runs`, (format,
+    packed weight, out_features) per run of output columns, packed for `qlinear` / `linear_bf16_q`, and
+    `in_features`."""
+
+    runs: list[tuple[str, torch.Tensor, int]]
+    in_features: int
+
+
 def _fn(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
@@ -100,7 +137,7 @@ def _fn(lib: ctypes.CDLL, name: str) -> int:
 class LayerStack:
     """Runs all decoder layers of one float32 model slice through `layer_stack_f32`."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, model: "LlamaModel") -> None:
+    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, model: StackModel) -> None:
         self._lib = lib
         self._model_struct = model_struct
         self._model = model  # keeps the packed weights, norms and rope tables alive
@@ -112,14 +149,12 @@ class LayerStack:
         self._scratch_per_token = lib.stack_scratch_elems(1, arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size)
 
     @staticmethod
-    def build(model: "LlamaModel", isa: str) -> "LayerStack | None":
-        from asyncpp.model.native_linear import NativeLinear  # the model imports this module
-
+    def build(model: StackModel, isa: str) -> "LayerStack | None":
         fused = model.fused
         if fused is None or fused.dtype not in _LINEARS or model.rope.cos.device.type != "cpu":
             return None
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not linears or not all(isinstance(m, NativeLinear) and len(m.runs) <= MAX_RUNS for m in linears):
+        if not linears or not all(isinstance(m, StackableLinear) and len(m.runs) <= MAX_RUNS for m in linears):
             return None
         if fused.dtype == torch.bfloat16 and any(fmt not in BLOCK_FORMATS for m in linears for fmt, _, _ in m.runs):
             return None  # linear_bf16_q serves GGUF blocks only
@@ -189,7 +224,7 @@ class LayerStack:
         residual: torch.Tensor | None,  # [num_tokens, hidden]; None: first layer of the model
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # of the layers run
-        meta: "AttentionMetadata",
+        meta: StepMeta,
         first: int = 0,  # the slice's index of the first layer run
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kd = meta.kernel_rows

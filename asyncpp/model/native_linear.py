@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from asyncpp.kernels.layer_stack import StackableLinear
 from asyncpp.weights.base import StoredTensor
 
 
@@ -41,8 +42,8 @@ class NativeKernel(Protocol):
     def dequant_rows(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor: ...
 
 
-class NativeLinear(nn.Module):
-    """A bias-free linear layer: `[..., in]` -> `[..., out]` in the kernel's dtype."""
+class NativeLinear(nn.Module, StackableLinear):
+    """A bias-free linear layer: `[..., in]` -> `[..., out]` in the kernel's dtype (one the layer stack can run)."""
 
     def __init__(self, runs: list[tuple[str, torch.Tensor, int]], in_features: int, kernel: NativeKernel) -> None:
         """`runs`: (format, packed weight, out_features) per run of output columns, in order."""
