@@ -44,11 +44,12 @@ def load_source(path: Path, isa: str, workdir: Path) -> ctypes.CDLL:
 
 
 class Step:
-    """One stage step: `layers` caches and queries, `context_lens` rows over one shuffled block table."""
+    """One stage step: `layers` caches and queries, `context_lens` requests over one shuffled block table,
+    each request `rows_per_request` rows at its last positions (a token and its speculative drafts, or a
+    prefill chunk's tail: the same blocks, contexts ending at n - R + 1 .. n)."""
 
-    def __init__(self, layers, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0):
+    def __init__(self, layers, context_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, rows_per_request=1):
         g = torch.Generator().manual_seed(seed)
-        self.context_lens = torch.tensor(context_lens, dtype=torch.int64)
         blocks_per_req = [-(-n // BLOCK_SIZE) for n in context_lens]
         max_blocks = max(blocks_per_req)
         pool = torch.randperm(2 * sum(blocks_per_req), generator=g)
@@ -62,8 +63,11 @@ class Step:
             tuple(torch.randn(slots, num_kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
             for _ in range(layers)
         ]
-        self.queries = [torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(dtype) for _ in range(layers)]
-        self.rows = torch.arange(len(context_lens))
+        rows_of = [max(1, n - r) for n in context_lens for r in reversed(range(rows_per_request))]
+        self.block_table = self.block_table.repeat_interleave(rows_per_request, dim=0)
+        self.context_lens = torch.tensor(rows_of, dtype=torch.int64)
+        self.queries = [torch.randn(len(rows_of), num_heads, head_dim, generator=g).to(dtype) for _ in range(layers)]
+        self.rows = torch.arange(len(rows_of))
         self.scale = head_dim**-0.5
         self.kv_bytes = int(self.context_lens.sum()) * num_kv_heads * head_dim * 2 * self.queries[0].element_size()
 
@@ -101,10 +105,12 @@ def identical_outputs(baseline_lib: ctypes.CDLL, isa: str, seed: int = 1) -> lis
         for dtype in (torch.float32, torch.bfloat16):
             current = decode_attention_kernel("cpu", dtype, num_heads, num_kv_heads, head_dim, isa)
             baseline = wrap_library(baseline_lib, dtype)
-            step = Step(1, [1, 15, 16, 17, 33, 64, 100, 130, 203], num_heads, num_kv_heads, head_dim, dtype, seed)
-            if not torch.equal(step.run(current, 0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
-                               step.run(baseline, 0).view(torch.int16 if dtype == torch.bfloat16 else torch.int32)):
-                differing.append(f"{num_heads}/{num_kv_heads}x{head_dim} {dtype}")
+            for rows_per_request in (1, 5):
+                step = Step(1, [1, 15, 16, 17, 33, 64, 100, 130, 203], num_heads, num_kv_heads, head_dim, dtype, seed,
+                            rows_per_request)
+                view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+                if not torch.equal(step.run(current, 0).view(view), step.run(baseline, 0).view(view)):
+                    differing.append(f"{num_heads}/{num_kv_heads}x{head_dim} {dtype} {rows_per_request} rows/request")
     return differing
 
 
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--layers", type=int, default=15)
     parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rows-per-request", type=int, default=1,
+                        help="rows of each request at its last positions (speculative decoding: 1 + k)")
     parser.add_argument("--min-context", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=130)
     parser.add_argument("--heads", type=int, nargs=3, default=[9, 3, 64], metavar=("HEADS", "KV_HEADS", "HEAD_DIM"))
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     g = torch.Generator().manual_seed(0)
     context_lens = torch.randint(args.min_context, args.max_context + 1, (args.requests,), generator=g).tolist()
-    step = Step(args.layers, context_lens, *args.heads, dtype)
+    step = Step(args.layers, context_lens, *args.heads, dtype, rows_per_request=args.rows_per_request)
     kernels = {"current": decode_attention_kernel("cpu", dtype, *args.heads, isa=args.isa)}
     if kernels["current"] is None:
         raise SystemExit("the decode-attention kernel is unavailable here")
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                             for i in range(args.layers))
             print(f"{path}: bit-identical to this kernel on the step: {same_step}; on random cases: "
                   + ("all" if not differing else f"not {differing}"))
-        print(f"{args.isa} {args.dtype}: {args.layers} layers x {args.requests} requests, contexts "
+        print(f"{args.isa} {args.dtype}: {args.layers} layers x {args.requests} requests x {args.rows_per_request} rows, contexts "
               f"{args.min_context}-{args.max_context}, {step.kv_bytes * args.layers / 1e6:.1f} MB of K/V per step")
         previous = torch.get_num_threads()
         try:

@@ -222,3 +222,51 @@ def test_build_cache_and_disable_switch(tmp_path, monkeypatch):
         assert decode_attention_kernel("cpu", torch.float32, 4, 2, 16) is None
     finally:
         build.load_kernel_library.cache_clear()
+
+
+def _request_rows(num_heads, num_kv_heads, head_dim, dtype, spans, seed=5):
+    """Rows of a few requests: request i has a row per context length in spans[i] (its tokens at
+    consecutive positions, one block table), requests one after another."""
+    g = torch.Generator().manual_seed(seed)
+    longest = max(max(span) for span in spans)
+    q, k_cache, v_cache, tables, _ = _case(num_heads, num_kv_heads, head_dim, [longest] * len(spans), dtype, seed)
+    block_table = torch.cat([tables[i : i + 1].expand(len(span), -1) for i, span in enumerate(spans)]).contiguous()
+    context_lens = torch.tensor([n for span in spans for n in span], dtype=torch.int64)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, block_table, context_lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 64), (4, 2, 16), (6, 1, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", LEVELS)
+def test_rows_of_one_request_together_give_each_row_its_bits_alone(num_heads, num_kv_heads, head_dim, dtype, isa):
+    """A request's rows (a token and its drafts, a prefill chunk) share their keys: the kernel computes up to 4
+    of them together (each key widened once). Every row must get the bits it gets alone, whatever the group
+    (1 to 4 rows, lengths ending inside, at and past a 16-key tile), its neighbours and the thread count."""
+    fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa)
+    spans = [range(14, 20), range(1, 4), range(31, 36), [64], range(95, 104), range(200, 203)]
+    q, k_cache, v_cache, block_table, context_lens = _request_rows(num_heads, num_kv_heads, head_dim, dtype, spans)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [_run(fn, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])[0][0]
+                 for i in range(q.shape[0])]  # fmt: skip
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for start in (0, 1, 2):  # groups cut at other rows
+                together, _ = _run(fn, q[start:], k_cache, v_cache, block_table[start:], context_lens[start:])
+                for i in range(start, q.shape[0]):
+                    assert torch.equal(alone[i], together[i - start]), f"row {i} ({num_threads} threads, from {start})"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif("avx2" not in LEVELS, reason="the CPU does not run AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_rows_one_by_one_give_the_generic_levels_grouped_bits(dtype):
+    """The generic level computes a request's rows in groups, AVX2 one by one: the same bits."""
+    kernels = [_kernel_or_skip(dtype, 9, 3, 64, isa) for isa in ("generic", "avx2")]
+    case = _request_rows(9, 3, 64, dtype, [range(10, 21), range(30, 35), range(1, 3)], seed=6)
+    view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    generic, avx2 = (_run(fn, *case)[0].view(view) for fn in kernels)
+    assert torch.equal(avx2, generic)
