@@ -349,6 +349,8 @@ class Stage:
 
     def close(self) -> None:
         if self.runner is not None:
+            if self.runner.graphs is not None:  # how often each graph size served a step
+                self.log.info("cuda_graph_runs", runs={str(size): n for size, n in self.runner.graphs.num_runs.items()})
             self.runner.kv_connector.close()
         for closable in (self.sender, self.receiver, *self.shared_kv):
             if closable is not None:

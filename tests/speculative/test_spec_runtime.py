@@ -67,3 +67,19 @@ async def test_pipeline_with_drafts_equals_without(
     assert _drafted_steps(engine.log_file) > 0
     if offload:
         assert stats["kv_blocks_saved"] > 0
+
+
+async def test_verification_steps_on_the_static_buffer_path(tmp_path, tiny_hf_dir, prompts, reference):
+    """Launched pp = 2 with async scheduling, stages on the CUDA-graph input path (static, padded buffers;
+    captured as graphs only on CUDA): steps of a token and its drafts per request run from the buffers
+    like decode steps of as many rows, and the tokens are those of plain decoding."""
+    overrides = {"speculative": SPEC, "scheduler": {"async_scheduling": True}}
+    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), **overrides)
+    with launched(tmp_path, sections, module="tests.runtime.static_buffers_launch") as engine:
+        results, stats = await collect_all(engine.address, prompts[:2], GREEDY)
+    assert [r[0] for r in results] == reference[:2]
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    runs = [json.loads(line)["runs"] for line in engine.log_file.read_text().splitlines() if '"cuda_graph_runs"' in line]
+    assert len(runs) == 2, runs  # one report per stage, at its close
+    for stage_runs in runs:  # 2 requests: a step of more than 2 rows (sizes 4 and 8) carried drafts
+        assert stage_runs["4"] + stage_runs["8"] > 0, stage_runs
