@@ -504,13 +504,11 @@ static inline __attribute__((always_inline)) void softmax_group(float *scores, i
 
 #endif
 
-/* One row, all heads: `group` query heads per kv head, `chunks` * 16 lanes each. `next` is the row this
- * thread computes next (NULL if none): its K slots are requested during pass 2. */
-static inline __attribute__((always_inline)) void attend_row(const struct layer *L, const struct row *r,
-                                                             const struct row *next, const struct scratch *S,
-                                                             const int group, const int chunks) {
-    const int64_t ctx = r->ctx, head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
-    const int64_t tiles = (ctx + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
+/* The query, accumulators and running maxima of row r, before its first tile. */
+static inline __attribute__((always_inline)) void start_row(const struct layer *L, const struct row *r,
+                                                            const struct scratch *S, const int group,
+                                                            const int chunks) {
+    const int64_t head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
     for (int64_t h = 0; h < num_heads; h++) {
         for (int c = 0; c < chunks; c++) {
             const f32x16 qv = load16(r->q + h * L->head_bytes, c * LANES, L->dtype) * L->scale;
@@ -519,6 +517,16 @@ static inline __attribute__((always_inline)) void attend_row(const struct layer 
         }
         S->max_score[h] = ZERO - FLT_MAX;
     }
+}
+
+/* One row, all heads: `group` query heads per kv head, `chunks` * 16 lanes each. `next` is the row this
+ * thread computes next (NULL if none): its K slots are requested during pass 2. */
+static inline __attribute__((always_inline)) void attend_row(const struct layer *L, const struct row *r,
+                                                             const struct row *next, const struct scratch *S,
+                                                             const int group, const int chunks) {
+    const int64_t ctx = r->ctx, head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
+    const int64_t tiles = (ctx + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
+    start_row(L, r, S, group, chunks);
     int64_t off[LANES], next_off[LANES];
     struct ahead pf;
     /* Pass 1: scores; this tile's V slots are requested for pass 2. */
@@ -551,20 +559,6 @@ static inline __attribute__((always_inline)) void attend_row(const struct layer 
 }
 
 #ifndef EIGHT_LANES
-/* The query, accumulators and running maxima of row r, before its first tile. */
-static inline __attribute__((always_inline)) void start_row(const struct layer *L, const struct row *r,
-                                                            const struct scratch *S, const int group,
-                                                            const int chunks) {
-    const int64_t head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
-    for (int64_t h = 0; h < num_heads; h++) {
-        for (int c = 0; c < chunks; c++) {
-            const f32x16 qv = load16(r->q + h * L->head_bytes, c * LANES, L->dtype) * L->scale;
-            memcpy(S->q + h * head_dim + c * LANES, &qv, sizeof qv);
-            S->acc[h * chunks + c] = ZERO;
-        }
-        S->max_score[h] = ZERO - FLT_MAX;
-    }
-}
 
 /* attend_row for the nr (2..GROUP_ROWS) rows r[] of one request (the same blocks), row i with scratch S[i]. */
 static inline __attribute__((always_inline)) void attend_group(const struct layer *L, const struct row *r, int nr,
