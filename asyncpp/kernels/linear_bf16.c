@@ -387,12 +387,12 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
         }
 }
 
-/* ---- More rows than one tile: a BLOCK's q expanded once ----
+/* ---- Many rows: a BLOCK's q expanded once ----
  *
  * Streaming tiles each expand the q of the BLOCK they stream, so 40 rows (5 Q4 tiles) expand every
- * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more rows than one
- * tile, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB panels][k / 2
- * pairs] zmm, the float path's layout: 72 KB for k = 576, L2-resident) with d and m widened to float32
+ * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more than
+ * QE_MIN_ROWS rows, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB
+ * panels][k / 2 pairs] zmm, the float path's layout: 72 KB for k = 576, L2-resident) with d and m widened to float32
  * ([k / 32][NB][16] each), then runs tiles of up to 6 rows x 4 panels over it (24 zmm of partial sums,
  * acc in an L1-resident array): 4 weight loads and 6 broadcasts per 24 dpbf16. Every output is the
  * same operations on the same operands in the same order as in a streaming tile (pairs in order into
@@ -400,6 +400,9 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
  * its batch. */
 
 #define QE_TILE_ROWS 6
+/* Fewer rows stream: with 2 streaming tiles (9-16 Q4 rows) the expansion pass costs more than the second
+ * tile's own expansion (9 rows: 0.73x, 16: 1.0x, 24: 1.13x on Zen 4). */
+#define QE_MIN_ROWS 16
 
 struct qb_expanded {
     __m512bh *w;  /* [NB][k / 2]: panel j's operand for input pair kp at w[j * k / 2 + kp] */
@@ -471,7 +474,7 @@ typedef void (*qe_tile_fn)(const uint16_t *, int64_t, const float *, const struc
         int64_t block_bytes, int64_t k, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {                   \
         qe_tile(M, R, x, ldx, sx, e, next, block_bytes, k, y, ldy, n0, n);                                   \
     }
-/* More than 8 rows in near-equal tiles of at most 6 take 4 to 6 rows each (9 = 4 + 5). */
+/* More than 16 rows in near-equal tiles of at most 6 take 4 to 6 rows each (17 = 5 + 6 + 6). */
 #define QE_MIN_TILE_ROWS 4
 #define QE_SHAPES(M) QE_TILE_DEF(M, 4) QE_TILE_DEF(M, 5) QE_TILE_DEF(M, 6)
 QE_SHAPES(0)
@@ -514,8 +517,8 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
     const int64_t num_e_tiles = (m + QE_TILE_ROWS - 1) / QE_TILE_ROWS;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     {
-        /* More rows than one tile: expand each BLOCK once (without the buffer: stream, the same bits). */
-        struct qb_expanded e = num_tiles > 1 ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
+        /* More than QE_MIN_ROWS rows: expand each BLOCK once (without the buffer: stream, the same bits). */
+        struct qb_expanded e = m > QE_MIN_ROWS ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks; b++) {
             const uint8_t *wb = packed + b * block_bytes;
