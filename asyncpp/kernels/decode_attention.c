@@ -29,7 +29,7 @@
  * Rows of one request (a token and its speculative drafts, a prefill chunk:
  * the same block table) that follow each other go through the tiles in
  * groups of up to 4 (`attend_group`): each key and value row is widened
- * once for the group, and the group requests its keys two tiles ahead. Each
+ * once for the group, and the group requests its keys eight tiles ahead. Each
  * row's arithmetic is unchanged, so its bits are those it gets alone
  * (1.05-1.1x on 8 requests x 5 rows, 1.1x on prefill chunks, Zen 4: bench
  * `--rows-per-request`). The arithmetic is bound by the multiplies and adds

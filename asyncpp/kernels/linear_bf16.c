@@ -286,6 +286,19 @@ static inline __m512bh x_pair(const uint16_t *row, int64_t kp) {
     return (__m512bh)_mm512_set1_epi32((int)pair);
 }
 
+/* A panel block's scales d (and Q4_1 offsets m, else 0) widened to float32. */
+static inline void qb_scales(const int fmt, const uint8_t *blk, __m512 *d, __m512 *m) {
+    *d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    *m = fmt == QB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2))) : _mm512_setzero_ps();
+}
+
+/* acc after one 32-input block: + d * part, then (Q4_1) + m * the row's sum of x over the block. Every
+ * tile shape goes through this, in this order: a row's bits do not depend on its tile. */
+static inline __m512 qb_block_step(const int with_m, __m512 acc, __m512 part, __m512 d, __m512 m, float sx) {
+    const __m512 a = _mm512_fmadd_ps(d, part, acc);
+    return with_m ? _mm512_fmadd_ps(m, _mm512_set1_ps(sx), a) : a;
+}
+
 /* Rows [0, mt) times panels [j0, j0 + np) of one BLOCK of columns (`wb`: its packed blocks), over all
  * of k. `sx`: the rows' per-block sums of x (Q4_1), nb per row. Per 32-input block, `part` sums x * q
  * (pairs in order); then acc += d * part (+ m * sx), acc in registers (mem = 0) or in an L1-resident
@@ -325,13 +338,12 @@ static inline __attribute__((always_inline)) void qb_tile(const int fmt, const i
             }
         }
         for (int j = 0; j < np; j++) {
-            const uint8_t *blk = blocks + (j0 + j) * pb;
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-            __m512 m = _mm512_setzero_ps();
-            if (fmt == QB_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2)));
+            __m512 d, m;
+            qb_scales(fmt, blocks + (j0 + j) * pb, &d, &m);
             for (int i = 0; i < mt; i++) {
-                __m512 a = _mm512_fmadd_ps(d, part[i][j], mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j]);
-                if (fmt == QB_Q4_1) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), a);
+                const float block_sx = fmt == QB_Q4_1 ? sx[i * nb + b] : 0.0f;
+                const __m512 a = qb_block_step(fmt == QB_Q4_1, mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j],
+                                               part[i][j], d, m, block_sx);
                 if (mem) _mm512_store_ps(acc_mem[i][j], a);
                 else acc[i][j] = a;
             }
@@ -417,10 +429,10 @@ static void qb_expand_block(const int fmt, const uint8_t *wb, int64_t k, __m512i
             const uint8_t *blk = wb + (b * NB + j) * pb;
             __m512bh *w = e->w + j * kpairs + b * QPAIRS;
             for (int p = 0; p < QPAIRS; p += 2) qb_pairs(fmt, blk + hdr, p, q4_table, &w[p], &w[p + 1]);
-            _mm512_store_ps(e->d + (b * NB + j) * PANEL, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk)));
-            if (fmt == QB_Q4_1)
-                _mm512_store_ps(e->m + (b * NB + j) * PANEL,
-                                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + PANEL * 2))));
+            __m512 d, m;
+            qb_scales(fmt, blk, &d, &m);
+            _mm512_store_ps(e->d + (b * NB + j) * PANEL, d);
+            _mm512_store_ps(e->m + (b * NB + j) * PANEL, m);
         }
 }
 
@@ -454,11 +466,9 @@ static inline __attribute__((always_inline)) void qe_tile(const int with_m, cons
         for (int j = 0; j < NB; j++) {
             const __m512 d = _mm512_load_ps(e->d + (b * NB + j) * PANEL);
             const __m512 m = with_m ? _mm512_load_ps(e->m + (b * NB + j) * PANEL) : _mm512_setzero_ps();
-            for (int i = 0; i < mt; i++) {
-                __m512 a = _mm512_fmadd_ps(d, part[i][j], _mm512_load_ps(acc[i][j]));
-                if (with_m) a = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[i * nb + b]), a);
-                _mm512_store_ps(acc[i][j], a);
-            }
+            for (int i = 0; i < mt; i++)
+                _mm512_store_ps(acc[i][j], qb_block_step(with_m, _mm512_load_ps(acc[i][j]), part[i][j], d, m,
+                                                         with_m ? sx[i * nb + b] : 0.0f));
         }
     }
     for (int i = 0; i < mt; i++)
