@@ -91,6 +91,15 @@ class KVTransferScheduling:
         """Transfers some stages reported and others not yet."""
         return self._aggregator.num_pending() if self._aggregator is not None else 0
 
+    def has_pending_loads(self) -> bool:
+        """A request waits for a transfer (an async load), or one is still to be sent to the stages:
+        worth polling for at once. Held blocks alone only wait to be freed."""
+        return bool(
+            self._waiting_for_remote
+            or self._unsent_aborted
+            or (self.connector is not None and self.connector.has_unsent_metadata())
+        )
+
     def has_pending_transfers(self) -> bool:
         """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
         return bool(

@@ -19,7 +19,10 @@
   output (merged over stages by `EngineCore`); when nothing else runs but
   transfers are pending, the window still sends plans with no requests, at
   once to start new transfers and every `POLL_INTERVAL_S` to collect
-  finished ones, so they complete while the engine is otherwise idle.
+  finished ones, so they complete while the engine is otherwise idle
+  (`HELD_POLL_INTERVAL_S` when only held blocks wait for their sends: no
+  request waits on them, and a prefill engine holding blocks for a decode
+  engine's pull would otherwise take a core from the pull with its polls).
 A plan whose cohort is the only one in flight carries `num_threads` = every
 stage's threads (CPU, `parallel.lend_idle_threads`), as far as other work on
 the machine leaves cores spare (`SpareCpus`): its steps pass through the stages
@@ -54,6 +57,7 @@ from asyncpp.wire.stage_msgs import StageOutput
 
 # While only KV transfers are pending, the stages are polled this often (their threads move the bytes).
 POLL_INTERVAL_S = 0.001
+HELD_POLL_INTERVAL_S = 0.01
 # Lent threads need whole spare cores: a core that others use this much is still lent (noise).
 SPARE_CPU_SLACK = 0.25
 
@@ -211,7 +215,7 @@ class StepWindow:
             if self._poll_timer is None:
                 self._poll_timer = asyncio.get_running_loop().call_later(self._next_poll_at - now, self._poll_due)
             return None
-        self._next_poll_at = now + POLL_INTERVAL_S
+        self._next_poll_at = now + (POLL_INTERVAL_S if scheduler.has_pending_loads() else HELD_POLL_INTERVAL_S)
         return scheduler.schedule(allow_empty=True)
 
     def _poll_due(self) -> None:
