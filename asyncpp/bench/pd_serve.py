@@ -6,11 +6,14 @@ repetitions, by (a) one engine launched from `--colocated` (default: the
 default config, pp=2) and (b) the prefill/decode deployment launched from
 `--disagg` (default: configs/pd-1-1.toml, one stage each), on the same
 cores. Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
-sees them; for (b) also the router's handover time (the prefill's last delta
-to the decode engine's first one). Then the raw transfer of the bytes one
-request hands over (every layer's K and V of its full prompt blocks), moved
-by one NIXL read and by a memcpy in this process (`bench.pd_transfer`), so
-the handover can be read against both.
+sees them; for (b) also the handover (the decode engine's stats: from the
+prefill engine's first token to the decode stages holding the prompt's KV,
+that is the start of the request's first decode step) and the client's gap
+between its first two tokens (the router's clock: the handover, then one
+decode step). Then the raw transfer of the bytes one request hands over
+(every layer's K and V of every prompt block), moved by one NIXL read and by
+a memcpy in this process (`bench.pd_transfer`), so the handover can be read
+against both.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def handed_over_shape(config_path: str, input_len: int) -> dict[str, int]:
     arch = read_arch(config.model.source, config.model.path_or_none)
     block_size = config.cache.block_size
     return {
-        "num_blocks": (input_len - 1) // block_size,
+        "num_blocks": -(-input_len // block_size),
         "block_size": block_size,
         "layers": arch.num_layers,
         "heads": arch.num_kv_heads,
@@ -107,20 +110,26 @@ def main(argv=None) -> int:
         values = [d["metrics"][figure] / c["metrics"][figure] for c, d in zip(runs["colocated"], runs["disagg"])]
         ratios[figure] = values
         print(f"  {figure:18s} {statistics.median(values):.2f}x ({min(values):.2f} - {max(values):.2f})")
-    handovers = [d["stats"].get("pd_handover_s_mean") for d in runs["disagg"]]
-    handover_p50 = [d["stats"].get("pd_handover_s_p50") for d in runs["disagg"]]
+    handovers = [d["stats"].get("kv_handover_s_mean") for d in runs["disagg"]]
+    handover_p50 = [d["stats"].get("kv_handover_s_p50") for d in runs["disagg"]]
+    handover_p99 = [d["stats"].get("kv_handover_s_p99") for d in runs["disagg"]]
+    second_p50 = [d["stats"].get("pd_second_token_s_p50") for d in runs["disagg"]]
     from asyncpp.bench.pd_transfer import measure
 
     raw = measure(**handed_over_shape(args.disagg, args.input_len), placement="runs", repeat=11)
     nbytes = raw["nbytes"]
     nixl_s, memcpy_s = nbytes / (raw["nixl_gbps"] * 1e9), nbytes / (raw["memcpy_gbps"] * 1e9)
-    print(f"\nhandover (router: prefill's last delta -> decode's first), {nbytes / 1e6:.1f} MB a request:")
-    print(f"  mean {_ms(handovers)}  p50 {_ms(handover_p50)} ms")
+    print(f"\nhandover (prefill's first token -> the decode stages hold its KV), {nbytes / 1e6:.1f} MB a request:")
+    print(f"  mean {_ms(handovers)}  p50 {_ms(handover_p50)}  p99 {_ms(handover_p99)} ms")
+    print(f"  first -> second token at the client (router): p50 {_ms(second_p50)} ms")
     print(f"  raw NIXL read of the same bytes {nixl_s * 1e3:.2f} ms, memcpy {memcpy_s * 1e3:.2f} ms")
     valid = [h for h in handover_p50 if h is not None]
     if valid:
-        print(f"  handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.1f}x")
-    summary |= {"ratios": ratios, "handover_s_mean": handovers, "handover_s_p50": handover_p50, "raw": raw, "nbytes": nbytes}
+        print(f"  handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.2f}x")
+    summary |= {
+        "ratios": ratios, "handover_s_mean": handovers, "handover_s_p50": handover_p50, "handover_s_p99": handover_p99,
+        "second_token_s_p50": second_p50, "raw": raw, "nbytes": nbytes,
+    }  # fmt: skip
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(summary, indent=2, default=str))
     return 0

@@ -55,6 +55,7 @@ class KVTransferScheduling:
         self._clock = clock
         self._waiting_for_remote: dict[str, Request] = {}  # loads in flight
         self._load_block_ids: dict[str, list[int]] = {}  # the blocks each load in flight fills
+        self._load_ends: dict[str, int] = {}  # and the position it fills them up to
         self._invalid_block_ids: set[int] = set()  # reported by some stage, until their load completes
         self._held: dict[str, Request] = {}  # finished, blocks kept until every stage reported the send
         self._preempted_req_ids: list[str] = []  # for the next plan
@@ -144,10 +145,12 @@ class KVTransferScheduling:
         self._asked_again_since.pop(request_id, None)
         if num_external <= 0:
             return False
-        if num_hit_tokens + num_external >= len(token_ids) or num_external % self._block_manager.block_size:
+        num_loaded_to = num_hit_tokens + num_external
+        is_whole = num_external % self._block_manager.block_size == 0 or num_loaded_to == request.num_prompt_tokens
+        if num_loaded_to >= len(token_ids) or not is_whole:
             raise ValueError(
                 f"KV connector offered {num_external} tokens after {num_hit_tokens} of {len(token_ids)}: "
-                "it must offer whole blocks and leave at least one token to compute"
+                "it must offer whole blocks (or end at the prompt's end) and leave at least one token to compute"
             )
         block_ids = self._block_manager.allocate_for_load(
             request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
@@ -160,6 +163,7 @@ class KVTransferScheduling:
             return False
         self._queues.take_waiting(request)
         self._load_block_ids[request_id] = block_ids[num_hit_tokens // block_size :]
+        self._load_ends[request_id] = num_loaded_to
         self._waiting_for_remote[request_id] = request
         self._load_deadlines[request_id] = self._clock() + self.connector.ctx.load_timeout_s
         if request.status is RequestStatus.WAITING:
@@ -307,13 +311,15 @@ class KVTransferScheduling:
             return
         self._load_deadlines.pop(request_id, None)
         load_block_ids = self._load_block_ids.pop(request_id)
+        load_end = self._load_ends.pop(request_id)
         num_loaded = next((i for i, b in enumerate(load_block_ids) if b in self._invalid_block_ids), len(load_block_ids))
         self._invalid_block_ids.difference_update(load_block_ids)
         if request.is_finished:  # aborted while loading: nobody writes its blocks any more
             self._release_blocks(request)
             return
         block_size = self._block_manager.block_size
-        num_loaded_tokens = num_loaded * block_size
+        # The last block may be partly filled (a load up to the prompt's end).
+        num_loaded_tokens = min(num_loaded * block_size, load_end - request.num_computed_tokens)
         self.num_external_hit_tokens += num_loaded_tokens
         self.num_failed_load_tokens += (len(load_block_ids) - num_loaded) * block_size
         if num_loaded < len(load_block_ids):

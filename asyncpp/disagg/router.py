@@ -2,12 +2,17 @@
 
 It speaks the engine's client protocol, so a client (or the HTTP front end)
 cannot tell it from an engine. Each request is one task:
-1. prefill: the same prompt to the prefill engine with `max_tokens` 1 (its
-   token is discarded) and `kv_transfer_params={"do_remote_decode": True}`;
-   its final delta's `kv_transfer_params` say where the prompt's KV waits;
+1. prefill: the client's prompt and sampling params to the prefill engine
+   with `max_tokens` 1 and `kv_transfer_params={"do_remote_decode": True}`;
+   its one token goes to the client at once (the first token's latency is
+   the prefill's). If that token ends the request (a stop token, a stop
+   string, EOS) its delta is the client's last; otherwise the delta's
+   `kv_transfer_params` say where the prompt's KV waits and which token the
+   decode engine continues after. A client asking for one token gets it from
+   the prefill engine alone.
 2. decode: the client's own request to the decode engine with those params,
-   verbatim (None: the decode engine computes the prompt itself); its deltas
-   go back to the client unchanged, under the client's request id.
+   verbatim; its deltas (from the second token on) go back to the client
+   unchanged, under the client's request id.
 Both engines know the request by one id the router makes (`<client id>.pd<n>`,
 unique per router), so two clients may use the same id. Errors from either
 engine reach the client with their kind. An abort (or the client gone) cancels
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -30,7 +36,7 @@ from typing import Any
 from asyncpp.disagg.front import ClientFront
 from asyncpp.disagg.link import EngineLink, exchange_handshakes
 from asyncpp.disagg.stats import RouterCounters, merged_stats
-from asyncpp.disagg.translate import DO_REMOTE_DECODE, error_reply, invalid, prefill_params
+from asyncpp.disagg.translate import DO_REMOTE_DECODE, error_reply, handed_on, invalid, prefill_params
 from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
@@ -180,8 +186,8 @@ class PDRouter:
     async def _route(self, req: RoutedRequest) -> None:
         try:
             kv_transfer_params = await self._run_prefill(req)
-            if self.requests.get(req.key) is not req:
-                return  # aborted or failed while its last prefill delta was on its way
+            if kv_transfer_params is None or self.requests.get(req.key) is not req:
+                return  # over at its first token; or aborted or failed meanwhile
             req.phase = "decode"
             if not self.decode.is_alive:
                 raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
@@ -193,21 +199,38 @@ class PDRouter:
             self._fail(req, repr(e), "internal")
 
     async def _run_prefill(self, req: RoutedRequest) -> dict[str, Any] | None:
+        """Stream the prefill engine's token to the client; the params to decode with, or None if the
+        request is over (one token asked for, or it stopped there)."""
         t0 = time.monotonic()
-        params = prefill_params(req.msg.sampling_params)
-        stream = self.prefill.client.generate(req.msg.prompt, params, req.engine_request_id, DO_REMOTE_DECODE)
-        last = None
+        msg = req.msg
+        is_alone = SamplingParams.from_dict(msg.sampling_params).max_tokens == 1
+        params, kv = (msg.sampling_params, None) if is_alone else (prefill_params(msg.sampling_params), DO_REMOTE_DECODE)
+        stream = self.prefill.client.generate(msg.prompt, params, req.engine_request_id, kv)
         async with contextlib.aclosing(stream):
             try:
-                async for last in stream:
-                    pass
+                async for delta in stream:
+                    if not delta.finished:
+                        self.front.push_delta(req.peer, msg.request_id, delta)
+                        continue
+                    req.prefill_done_at = time.monotonic()
+                    self.counters.prefill_done(req.prefill_done_at - t0)
+                    if delta.kv_transfer_params is not None and not is_alone:
+                        self.front.push_delta(req.peer, msg.request_id, handed_on(delta))
+                        return delta.kv_transfer_params
+                    if delta.finish_reason == "length" and not is_alone:
+                        raise RequestError(
+                            ErrorReply(msg.request_id, f"{self.prefill.name} handed out no KV for the decode", "internal")
+                        )
+                    self._finished(req)
+                    self.front.push_delta(req.peer, msg.request_id, dataclasses.replace(delta, kv_transfer_params=None))
+                    return None
+            except RequestError:
+                raise
             except Exception as e:
-                raise RequestError(error_reply(req.msg.request_id, e, self.prefill.name)) from e
-        req.prefill_done_at = time.monotonic()
-        self.counters.prefill_done(req.prefill_done_at - t0)
-        return last.kv_transfer_params if last is not None else None
+                raise RequestError(error_reply(msg.request_id, e, self.prefill.name)) from e
+        return None  # the stream ended without a last delta: failed or aborted, handled there
 
-    async def _run_decode(self, req: RoutedRequest, kv_transfer_params: dict[str, Any] | None) -> None:
+    async def _run_decode(self, req: RoutedRequest, kv_transfer_params: dict[str, Any]) -> None:
         msg = req.msg
         self.counters.num_handovers += 1
         stream = self.decode.client.generate(msg.prompt, msg.sampling_params, req.engine_request_id, kv_transfer_params)
@@ -216,14 +239,18 @@ class PDRouter:
             try:
                 async for delta in stream:
                     if is_first:
-                        self.counters.handover_done(time.monotonic() - req.prefill_done_at)
+                        self.counters.second_token_done(time.monotonic() - req.prefill_done_at)
                         is_first = False
-                    if delta.finished and self.requests.get(req.key) is req:
-                        del self.requests[req.key]  # over: a late abort finds nothing
-                        self.counters.num_finished += 1
+                    if delta.finished:
+                        self._finished(req)
                     self.front.push_delta(req.peer, msg.request_id, delta)
             except Exception as e:
                 raise RequestError(error_reply(msg.request_id, e, self.decode.name)) from e
+
+    def _finished(self, req: RoutedRequest) -> None:
+        if self.requests.get(req.key) is req:
+            del self.requests[req.key]  # over: a late abort finds nothing
+            self.counters.num_finished += 1
 
     def _fail(self, req: RoutedRequest, message: str, kind: str, error_field: str | None = None) -> None:
         """End the request with an error for its client (once) and stop its task."""

@@ -9,12 +9,10 @@ that engine does not answer), and the router's own under `pd_*`.
 
 from __future__ import annotations
 
-import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_SAMPLES = 10_000  # percentiles over the most recent handovers
-
+from asyncpp.samples import RecentSamples
 
 @dataclass
 class RouterCounters:
@@ -25,20 +23,17 @@ class RouterCounters:
     num_failed: int = 0
     num_prefills_timed: int = 0
     prefill_s_sum: float = 0.0
-    handover_s_sum: float = 0.0
-    num_handovers_timed: int = 0
-    handover_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=MAX_SAMPLES))
+    second_token_s: RecentSamples = field(default_factory=RecentSamples)
 
     def prefill_done(self, prefill_s: float) -> None:
         """Prefill request sent -> its final delta in."""
         self.num_prefills_timed += 1
         self.prefill_s_sum += prefill_s
 
-    def handover_done(self, handover_s: float) -> None:
-        """Prefill's final delta in -> the decode engine's first delta in."""
-        self.num_handovers_timed += 1
-        self.handover_s_sum += handover_s
-        self.handover_s.append(handover_s)
+    def second_token_done(self, seconds: float) -> None:
+        """The prefill engine's token in -> the decode engine's first delta in: the client's gap
+        between its first two tokens (the handover, then one decode step)."""
+        self.second_token_s.add(seconds)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -48,9 +43,7 @@ class RouterCounters:
             "pd_num_aborted": self.num_aborted,
             "pd_num_failed": self.num_failed,
             "pd_prefill_s_mean": _mean(self.prefill_s_sum, self.num_prefills_timed),
-            "pd_handover_s_mean": _mean(self.handover_s_sum, self.num_handovers_timed),
-            "pd_handover_s_p50": percentile(self.handover_s, 50),
-            "pd_handover_s_p99": percentile(self.handover_s, 99),
+            **self.second_token_s.summary("pd_second_token_s"),
         }
 
 
@@ -58,13 +51,6 @@ def merged_stats(
     prefill: dict[str, Any] | None, decode: dict[str, Any] | None, router: dict[str, Any]
 ) -> dict[str, Any]:
     return {**(decode or {}), "prefill": prefill, "decode": decode, **router}
-
-
-def percentile(values, q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def _mean(total: float, count: int) -> float | None:

@@ -1,32 +1,39 @@
 """How a client's request becomes the engines' requests, and how their errors come back.
 
 The prefill engine gets the client's prompt and sampling params with
-`max_tokens` 1 and nothing that would only cost (logprobs) or end it
-differently (stop strings, stop tokens): its one token is discarded. The
-router refuses what an engine would refuse, with the engine's words
-(`invalid`), and hands an engine's `ErrorReply` on as it was sent: the
-`AsyncClient` it reads engines with raises it as an exception, which
-`error_reply` turns back into the reply. Two are reworded: an engine_dead
-error names the engine, and an engine refusing the `kv_transfer_params` the
-router gave it is "internal" (clients set none, so it is not theirs to fix).
+`max_tokens` 1: its one token is the client's first (with its logprobs,
+stop tokens and stop strings applied as one engine would), and the decode
+engine goes on after it. A client asking for one token gets it from the
+prefill engine alone. The router refuses what an engine would refuse, with
+the engine's words (`invalid`), and hands an engine's `ErrorReply` on as it
+was sent: the `AsyncClient` it reads engines with raises it as an exception,
+which `error_reply` turns back into the reply. Two are reworded: an
+engine_dead error names the engine, and an engine refusing the
+`kv_transfer_params` the router gave it is "internal" (clients set none, so
+it is not theirs to fix).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from asyncpp.client import RequestFailedError
 from asyncpp.errors import EngineDeadError, InvalidRequestError
-from asyncpp.wire.client_msgs import ErrorReply
+from asyncpp.wire.client_msgs import ErrorReply, RequestDelta
 
 DO_REMOTE_DECODE = {"do_remote_decode": True}
-# What could make the discarded prefill token cost more or end differently; max_tokens is 1.
-_NOT_FOR_PREFILL = ("stop", "stop_token_ids", "include_stop_str_in_output", "logprobs")
 
 
 def prefill_params(params: dict[str, Any]) -> dict[str, Any]:
-    """The client's sampling params for the prefill engine: one token, nothing that stops it early."""
-    return {**{k: v for k, v in params.items() if k not in _NOT_FOR_PREFILL}, "max_tokens": 1}
+    """The client's sampling params for the prefill engine: the same, for one token."""
+    return {**params, "max_tokens": 1}
+
+
+def handed_on(delta: RequestDelta) -> RequestDelta:
+    """The prefill engine's last delta of a request the decode engine goes on with, as the client
+    gets it: its token, text and logprobs, not finished, no params."""
+    return dataclasses.replace(delta, finished=False, finish_reason=None, stop_reason=None, kv_transfer_params=None)
 
 
 def invalid(request_id: str, error_field: str, message: str) -> ErrorReply:

@@ -28,14 +28,25 @@ class OutputProcessor:
         self._tracked: dict[str, _Tracked] = {}
 
     def add_request(self, request: Request) -> None:
+        """Track a request; output tokens it starts with (a remote engine streamed them) are fed to its
+        detokenizer but never emitted, so its deltas go on exactly where that engine stopped."""
+        detok = self._detokenizer(request)
+        if request.output_token_ids:
+            detok.add_tokens(request.output_token_ids)
+        self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def continues_at_stop(self, request: Request) -> bool:
+        """The output tokens the request starts with already complete one of its stop strings."""
+        return self._detokenizer(request).add_tokens_until_stop(request.output_token_ids)[0].stop_string is not None
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         params = request.sampling_params
-        detok = IncrementalDetokenizer(
+        return IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        self._tracked[request.request_id] = _Tracked(request, detok)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
@@ -63,7 +74,8 @@ class OutputProcessor:
         text = delta.text if delta is not None else ""
         if delta is not None and delta.stop_string is not None:
             finish_reason, stop_reason = "stop", delta.stop_string
-        elif finish_reason is not None:
+        elif finish_reason is not None and tracked.request.finished_kv_transfer_params is None:
+            # Not handed to a remote engine to go on with (which holds back the same text).
             text += tracked.detokenizer.flush()
         if finish_reason is not None:
             del self._tracked[request_id]

@@ -150,6 +150,11 @@ class KVConnectorScheduler(ABC):
         saying what is wrong; the request is then refused and nothing else changes."""
         raise ValueError(f"KV connector {self.ctx.name!r} takes no kv_transfer_params")
 
+    def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
+        """Output tokens a remote engine generated for the request (valid `params`) and already streamed
+        to its client: the request starts with them, and its deltas begin after them."""
+        return []
+
     def engine_handshake(self) -> EngineHandshake | None:
         """What a remote engine needs to move KV with this one (None: nothing to move)."""
         return None

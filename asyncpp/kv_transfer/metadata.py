@@ -35,6 +35,9 @@ class BlockTransfer:
     remote_block_ids: list[int] = field(default_factory=list)
     # A load within this plan (offered synchronously): done on every stage before its forward.
     is_sync: bool = False
+    # When the KV was ready at its source (time.time() there; the producer's first token): the
+    # stage reports how long it took from then until it had the blocks (`handover_s`).
+    remote_ready_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,15 @@ class KVTransferStats:
     num_bytes_saved: int = 0
     load_time_s: float = 0.0  # time the transfer thread spent loading
     save_time_s: float = 0.0
+    # Request -> seconds from `BlockTransfer.remote_ready_at` until this stage had its blocks (for a
+    # load within a plan: the start of the forward that uses them). Stages merge by the latest.
+    handover_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.num_blocks_loaded or self.num_blocks_saved or self.load_time_s or self.save_time_s)
+        return not (
+            self.num_blocks_loaded or self.num_blocks_saved or self.load_time_s or self.save_time_s or self.handover_s
+        )
 
     def __add__(self, other: "KVTransferStats") -> "KVTransferStats":
         return KVTransferStats(
@@ -84,7 +92,16 @@ class KVTransferStats:
             self.num_bytes_saved + other.num_bytes_saved,
             self.load_time_s + other.load_time_s,
             self.save_time_s + other.save_time_s,
+            _latest(self.handover_s, other.handover_s),
         )
+
+
+def _latest(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    if not b:
+        return a
+    if not a:
+        return b
+    return {key: max(a.get(key, 0.0), b.get(key, 0.0)) for key in a.keys() | b.keys()}
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,10 @@ class MultiScheduler(KVConnectorScheduler):
                 errors.append(e)
         raise errors[0]
 
+    def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
+        """The first child's that names any (the one that took the params)."""
+        return next((ids for child in self.children if (ids := child.remote_output_token_ids(params))), [])
+
     def engine_handshake(self) -> EngineHandshake | None:
         handshakes = [h for child in self.children if (h := child.engine_handshake()) is not None]
         return handshakes[0] if handshakes else None

@@ -8,6 +8,7 @@ step's KV leaves the prefix cache.
 
 from __future__ import annotations
 
+import pytest
 from sched_helpers import make_request
 
 from asyncpp.core.request import RequestStatus
@@ -37,6 +38,7 @@ class Connector(KVConnectorScheduler):
                                           load_timeout_s=5.0, save_timeout_s=7.0))
         self.offer_blocks, self.hold, self.ask_again = offer_blocks, hold, set(ask_again)
         self.offer_to_preempted_only = False
+        self.offer_tokens: int | None = None  # offer this many tokens instead of whole blocks
         self.is_async = True  # False: loads within the plan (offered synchronously)
         self.unsent: list[BlockTransfer] = []
         self.outputs: list[KVConnectorOutput] = []
@@ -46,13 +48,15 @@ class Connector(KVConnectorScheduler):
             return None, False
         if self.offer_to_preempted_only and not request.num_preemptions:
             return 0, False
+        if self.offer_tokens is not None:
+            return self.offer_tokens - num_computed_tokens, self.is_async
         num_blocks = min(self.offer_blocks, (request.num_tokens - 1) // BLOCK - num_computed_tokens // BLOCK)
         return (num_blocks * BLOCK, self.is_async) if num_blocks > 0 else (0, False)
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         if num_external_tokens:
             first = request.num_computed_tokens // BLOCK
-            blocks = block_ids[first : first + num_external_tokens // BLOCK]
+            blocks = block_ids[first : -(-(request.num_computed_tokens + num_external_tokens) // BLOCK)]
             self.unsent.append(BlockTransfer(request.request_id, blocks, [], is_sync=not self.is_async))
 
     def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
@@ -267,3 +271,65 @@ def test_a_send_past_its_deadline_is_failed_even_if_every_stage_then_reports_it_
     report(s, plan, stage0=sent("a"), stage1=sent("a"))  # both say done, neither says failed
     assert connector.outputs[-1].finished_sending == {"a"} and connector.outputs[-1].failed_sending == {"a"}
     assert s.num_held_for_transfer == 0 and s._block_manager.num_free_blocks == 16
+
+
+def remote_request(request_id: str, num_prompt_tokens: int, first_token: int = 42):
+    """A request whose prompt a remote engine computed and whose first token it sampled (PD decode)."""
+    request = make_request(request_id, list(range(1, num_prompt_tokens + 1)))
+    request.output_token_ids = [first_token]
+    return request
+
+
+def test_a_load_of_the_whole_prompt_ends_in_a_partly_filled_block_and_computes_the_remote_token():
+    for is_async in (True, False):
+        clock, connector = Clock(), Connector()
+        connector.offer_tokens, connector.is_async = 10, is_async  # 2 blocks of 4 and 2 tokens of a third
+        s = scheduler(connector, clock)
+        s.add_request(remote_request("a", 10))
+        plan = s.schedule(allow_empty=True)
+        [load] = plan.kv_connector_metadata.loads
+        assert len(load.block_ids) == 3
+        if is_async:
+            assert plan.scheduled == [] and s.num_waiting_for_remote_kvs == 1
+            report(s, plan, stage0=recv("a"), stage1=recv("a"))
+            plan = s.schedule()
+        # Only the remote engine's token is computed, at the position after the prompt.
+        assert (plan.scheduled[0].start_position, plan.scheduled[0].num_tokens) == (10, 1), is_async
+        report(s, plan, {"a": [7]}, stage0=recv("a"), stage1=recv("a"))
+        assert s.get_request("a").output_token_ids == [42, 7]
+        assert s.stats().num_external_prefix_hit_tokens == 10
+
+
+def test_a_partly_filled_block_may_only_end_a_load_at_the_prompts_end():
+    clock, connector = Clock(), Connector()
+    connector.offer_tokens = 6  # a block and a half of a 10-token prompt
+    s = scheduler(connector, clock)
+    s.add_request(remote_request("a", 10))
+    with pytest.raises(ValueError, match="whole blocks"):
+        s.schedule(allow_empty=True)
+
+
+def test_a_load_may_not_leave_nothing_to_compute():
+    clock, connector = Clock(), Connector()
+    connector.offer_tokens = 10  # the whole prompt, and no token after it
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", list(range(1, 11))))
+    with pytest.raises(ValueError, match="at least one token to compute"):
+        s.schedule(allow_empty=True)
+
+
+def test_only_a_load_someone_waits_for_is_a_pending_load():
+    """Held blocks (a finished request's sends) are pending transfers, but no request waits on them:
+    the engine polls for those slowly (`step_window.HELD_POLL_INTERVAL_S`)."""
+    clock, connector = Clock(), Connector(hold=True)
+    s = scheduler(connector, clock)
+    s.add_request(make_request("a", [1, 2, 3, 4, 5], max_tokens=1))
+    report(s, s.schedule(), {"a": [9]})
+    assert s.num_held_for_transfer == 1
+    plan = s.schedule(allow_empty=True)
+    assert s.has_pending_transfers() and not s.has_pending_loads()
+    connector.offer_blocks = 1
+    s.add_request(make_request("b", list(range(1, 10))))
+    s.schedule(allow_empty=True)
+    assert s.num_waiting_for_remote_kvs == 1 and s.has_pending_loads()
+    report(s, plan)

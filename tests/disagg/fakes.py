@@ -1,7 +1,8 @@
 """In-process fake engines for the router's tests: asyncio servers on a `RouterQueue` that speak
 the client protocol, record what they get and answer as a prefill or a decode engine would.
 
-* prefill: one finished delta per request (token 7) with `kv_transfer_params` {"x": 1};
+* prefill: one finished delta per request (token 7, finished by its length) with
+  `kv_transfer_params` {"x": 1}: the client gets it as its first, unfinished delta;
 * decode: three deltas (`decode_deltas`: logprobs, a stop string, its own last params), once its
   `kv_transfer_params` are checked to be the ones the prefill handed out.
 The prompt "prefill error" ("decode error") makes that engine answer `FakeEngine.error` instead. `gate` (cleared) holds a
@@ -36,6 +37,11 @@ from asyncpp.worker.outputs import Logprobs
 PREFILL_PARAMS = {"x": 1}
 
 
+def client_deltas(request_id: str) -> list[RequestDelta]:
+    """What a client gets: the prefill engine's token, then the decode engine's deltas."""
+    return [RequestDelta(request_id, "z", [7], num_prompt_tokens=5), *decode_deltas(request_id)]
+
+
 def decode_deltas(request_id: str) -> list[RequestDelta]:
     """What the fake decode engine streams for a request (the router must pass it on unchanged)."""
     return [
@@ -56,6 +62,7 @@ class FakeEngine:
         self.is_healthy = True
         self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "role": role}
         self.kv_transfer_params: dict[str, Any] | None = PREFILL_PARAMS  # prefill: what it hands out
+        self.finish_reason = "length"  # prefill: why its one token ends its request
         self.expected_params: dict[str, Any] | None = PREFILL_PARAMS  # decode: what it must get
         self.error = ErrorReply(None, "prompt: the fake refuses it", "invalid_request", "prompt")
         self.gate = asyncio.Event()
@@ -111,7 +118,7 @@ class FakeEngine:
             return
         if self.role == "prefill":
             await self.gate.wait()
-            delta = RequestDelta(rid, "z", [7], True, "length", None, None, 5, 0, self.kv_transfer_params)
+            delta = RequestDelta(rid, "z", [7], True, self.finish_reason, None, None, 5, 0, self.kv_transfer_params)
             await self.queue.put(peer, RequestDeltas.of([delta]))
         else:
             if msg.kv_transfer_params != self.expected_params:

@@ -3,7 +3,8 @@
 computes every prompt) but speaks the protocol the router relies on:
 
 * producer: takes exactly `{"do_remote_decode": true}`, publishes a handshake, and hands out
-  `{"stub_engine_id", "stub_num_prompt_tokens"}` with the request's last delta;
+  `{"stub_engine_id", "stub_num_prompt_tokens", "stub_first_token_id"}` with the request's last
+  delta when it ends at its length (the consumer goes on after that token);
 * consumer: refuses params before a producer's handshake was added, from another engine, or
   for another prompt length: an end-to-end run proves the router exchanged the handshakes at
   start-up and passed the params on verbatim.
@@ -36,6 +37,9 @@ class StubPDScheduler(RecordingScheduler):
         if params.get("stub_num_prompt_tokens") != len(prompt_token_ids):
             raise ValueError(f"params for {params.get('stub_num_prompt_tokens')} prompt tokens, got {len(prompt_token_ids)}")
 
+    def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
+        return [params["stub_first_token_id"]] if self.ctx.kv_role == "consumer" else []
+
     def engine_handshake(self) -> EngineHandshake | None:
         return EngineHandshake(self.engine_id, 0, []) if self.ctx.kv_role == "producer" else None
 
@@ -44,8 +48,12 @@ class StubPDScheduler(RecordingScheduler):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         super().request_finished(request, block_ids)
-        if request.kv_transfer_params == DO_REMOTE_DECODE:
-            return False, {"stub_engine_id": self.engine_id, "stub_num_prompt_tokens": len(request.prompt_token_ids)}
+        if request.kv_transfer_params == DO_REMOTE_DECODE and request.status.finish_reason == "length":
+            return False, {
+                "stub_engine_id": self.engine_id,
+                "stub_num_prompt_tokens": len(request.prompt_token_ids),
+                "stub_first_token_id": request.output_token_ids[0],
+            }
         return False, None
 
 

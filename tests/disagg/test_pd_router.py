@@ -13,10 +13,10 @@ import pytest
 from asyncpp.client import AsyncClient, RequestFailedError
 from asyncpp.errors import EngineDeadError, InvalidRequestError
 from asyncpp.kv_transfer.handshake import EngineHandshake
-from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDeltas
+from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDelta, RequestDeltas
 from asyncpp.wire.queues import DealerQueue
 from tests.disagg.conftest import PREFILL_HANDSHAKE, RouterSetup, make_router, until
-from tests.disagg.fakes import PREFILL_PARAMS, FakeEngine, decode_deltas
+from tests.disagg.fakes import PREFILL_PARAMS, FakeEngine, client_deltas
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "seed": 5, "stop": ["c"], "logprobs": 2}
 
@@ -26,11 +26,14 @@ async def collect(client: AsyncClient, prompt="hello", params=PARAMS, request_id
 
 
 async def raw_error(address: str, msg: GenerateRequest) -> ErrorReply:
-    """The exact `ErrorReply` a client gets for `msg`."""
+    """The exact `ErrorReply` a client gets for `msg` (after the prefill's token, if it got that far)."""
     queue = DealerQueue(address)
     try:
         await queue.put(msg)
         reply = await asyncio.wait_for(queue.get(), 5.0)
+        if isinstance(reply, RequestDeltas):
+            assert reply.token_ids == [[7]] and reply.finished == [False], reply
+            reply = await asyncio.wait_for(queue.get(), 5.0)
         assert isinstance(reply, ErrorReply), reply
         return reply
     finally:
@@ -39,21 +42,40 @@ async def raw_error(address: str, msg: GenerateRequest) -> ErrorReply:
 
 async def test_decode_deltas_reach_the_client_unchanged_and_params_verbatim(pd: RouterSetup):
     deltas = await collect(pd.client(), request_id="r1")
-    assert deltas == decode_deltas("r1")  # text, tokens, stop reason, logprobs, counts, last params
+    # The prefill's token first (unfinished), then the decode's deltas: text, tokens, stop reason,
+    # logprobs, counts, last params.
+    assert deltas == client_deltas("r1")
     [prefill], [decode] = pd.prefill.received, pd.decode.received
     assert prefill.request_id == decode.request_id != "r1"
     assert prefill.prompt == decode.prompt == "hello"
-    assert prefill.sampling_params == {"max_tokens": 1, "temperature": 0.0, "seed": 5}
+    assert prefill.sampling_params == {**PARAMS, "max_tokens": 1}  # its token is the client's first
     assert prefill.kv_transfer_params == {"do_remote_decode": True}
     assert decode.sampling_params == PARAMS
     assert decode.kv_transfer_params == PREFILL_PARAMS
 
 
-async def test_no_params_from_the_prefill_reach_the_decode_as_none(pd: RouterSetup):
+async def test_a_request_that_stops_at_its_first_token_ends_at_the_prefill(pd: RouterSetup):
+    pd.prefill.finish_reason, pd.prefill.kv_transfer_params = "stop", None
+    assert await collect(pd.client(), request_id="r") == [RequestDelta("r", "z", [7], True, "stop", None, None, 5, 0)]
+    assert pd.decode.received == [] and pd.router.requests == {}
+    assert (await pd.client().stats())["pd_num_finished"] == 1
+
+
+async def test_one_token_asked_for_comes_from_the_prefill_engine_alone(pd: RouterSetup):
     pd.prefill.kv_transfer_params = None
-    pd.decode.expected_params = None  # the decode engine computes the prompt itself
-    assert await collect(pd.client(), request_id="r") == decode_deltas("r")
-    assert pd.decode.received[0].kv_transfer_params is None
+    params = {**PARAMS, "max_tokens": 1}
+    deltas = await collect(pd.client(), params=params, request_id="r")
+    assert deltas == [RequestDelta("r", "z", [7], True, "length", None, None, 5, 0)]
+    [prefill] = pd.prefill.received
+    assert prefill.sampling_params == params and prefill.kv_transfer_params is None
+    assert pd.decode.received == []
+
+
+async def test_a_prefill_that_hands_out_no_kv_fails_the_request_as_internal(pd: RouterSetup):
+    pd.prefill.kv_transfer_params = None  # finished at its length, nothing for the decode engine
+    with pytest.raises(RequestFailedError, match=r"internal: prefill engine .* handed out no KV"):
+        await collect(pd.client(), request_id="r")
+    assert pd.decode.received == [] and pd.router.requests == {}
 
 
 @pytest.mark.parametrize("role,error", [
@@ -130,8 +152,7 @@ async def test_an_abort_as_the_prefill_ends_never_starts_the_decode(pd: RouterSe
 async def test_abort_while_decoding_reaches_the_decode_engine(pd: RouterSetup):
     pd.decode.gate.clear()  # after the first delta
     stream = pd.client().generate("hello", PARAMS, "r")
-    first = await anext(aiter(stream))
-    assert first == decode_deltas("r")[0]
+    assert [await anext(stream), await anext(stream)] == client_deltas("r")[:2]
     await stream.aclose()  # the client breaks out: abort
     await until(lambda: pd.decode.aborted, what="abort at the decode engine")
     assert pd.decode.aborted == [pd.decode.received[0].request_id]
@@ -183,7 +204,7 @@ async def test_an_engine_that_answers_again_serves_again(pd: RouterSetup):
     pd.prefill.start()  # "restarted" at the same address
     await until(lambda: pd.router.is_healthy, 3.0, "prefill back")
     assert pd.prefill.num_handshake_requests > num_handshakes  # exchanged anew before it serves
-    assert await collect(pd.client(), request_id="r") == decode_deltas("r")
+    assert await collect(pd.client(), request_id="r") == client_deltas("r")
 
 
 async def test_stats_merge_both_engines_under_the_decode_engines(pd: RouterSetup):
@@ -195,7 +216,7 @@ async def test_stats_merge_both_engines_under_the_decode_engines(pd: RouterSetup
     assert stats["num_running"] == 2 and stats["num_kv_blocks"] == 10  # the decode engine's, for /metrics
     assert stats["prefill"] == pd.prefill.stats and stats["decode"] == pd.decode.stats
     assert stats["pd_num_requests"] == stats["pd_num_handovers"] == stats["pd_num_finished"] == 3
-    for key in ("pd_handover_s_mean", "pd_handover_s_p50", "pd_handover_s_p99", "pd_prefill_s_mean"):
+    for key in ("pd_second_token_s_mean", "pd_second_token_s_p50", "pd_second_token_s_p99", "pd_prefill_s_mean"):
         assert 0 < stats[key] < 1, (key, stats[key])
     assert stats["is_dead"] is False and await client.health()
 
@@ -233,7 +254,7 @@ async def test_two_clients_may_use_the_same_request_id(pd: RouterSetup):
     tasks = [asyncio.create_task(collect(pd.client(), request_id="same")) for _ in range(2)]
     await until(lambda: len(pd.decode.received) == 2, what="both decode requests")
     pd.decode.gate.set()
-    assert await asyncio.gather(*tasks) == [decode_deltas("same")] * 2
+    assert await asyncio.gather(*tasks) == [client_deltas("same")] * 2
     ids = {msg.request_id for msg in pd.decode.received}
     assert len(ids) == 2 and ids == {msg.request_id for msg in pd.prefill.received}
 
@@ -252,7 +273,7 @@ async def test_one_client_reusing_an_unfinished_id_is_refused(pd: RouterSetup):
             frame = await asyncio.wait_for(queue.get(), 5.0)
             assert isinstance(frame, RequestDeltas), frame
             deltas += frame.deltas()
-        assert deltas == decode_deltas("r")
+        assert deltas == client_deltas("r")
     finally:
         queue.close()
 
@@ -278,7 +299,7 @@ async def test_the_router_alone_in_front_of_running_engines(pd: RouterSetup):
         address = re.search(r"asyncpp ready: clients connect to (\S+)", line).group(1)
         client = AsyncClient(address)
         try:
-            assert await collect(client, request_id="r") == decode_deltas("r")
+            assert await collect(client, request_id="r") == client_deltas("r")
         finally:
             client.close()
         proc.send_signal(signal.SIGTERM)

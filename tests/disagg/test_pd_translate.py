@@ -6,8 +6,9 @@ import pytest
 
 from asyncpp.client import _error_from
 from asyncpp.disagg.front import _frames
-from asyncpp.disagg.stats import RouterCounters, merged_stats, percentile
-from asyncpp.disagg.translate import error_reply, invalid, prefill_params
+from asyncpp.disagg.stats import RouterCounters, merged_stats
+from asyncpp.samples import percentile
+from asyncpp.disagg.translate import error_reply, handed_on, invalid, prefill_params
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import ErrorReply, HealthReply, RequestDelta, RequestDeltas
 
@@ -16,11 +17,14 @@ def test_prefill_params_ask_one_token_with_the_same_sampling():
     params = SamplingParams(max_tokens=50, temperature=0.7, seed=3, top_k=5, stop=["x"], stop_token_ids=[9],
                             logprobs=2, include_stop_str_in_output=True, repetition_penalty=1.2).to_dict()  # fmt: skip
     out = prefill_params(params)
-    assert out["max_tokens"] == 1 and (out["temperature"], out["seed"], out["top_k"]) == (0.7, 3, 5)
-    assert out["repetition_penalty"] == 1.2
-    assert not {"stop", "stop_token_ids", "logprobs", "include_stop_str_in_output"} & set(out)
+    assert out == {**params, "max_tokens": 1}  # its token is the client's first: stops and logprobs apply
     SamplingParams.from_dict(out).validate()  # an engine takes it
     assert params["max_tokens"] == 50  # the client's own are untouched
+
+
+def test_the_prefill_token_reaches_the_client_as_a_delta_that_goes_on():
+    last = RequestDelta("e.pd1", "Hi", [7], True, "length", None, [{"7": -0.1}], 12, 4, {"remote_engine_id": "p"})
+    assert handed_on(last) == RequestDelta("e.pd1", "Hi", [7], False, None, None, [{"7": -0.1}], 12, 4, None)
 
 
 @pytest.mark.parametrize("reply", [
@@ -61,13 +65,13 @@ def test_deltas_go_out_in_runs_with_other_messages_in_their_place():
 
 def test_counters_and_merged_stats():
     counters = RouterCounters()
-    assert counters.stats()["pd_handover_s_p50"] is None and counters.stats()["pd_handover_s_mean"] is None
+    assert counters.stats()["pd_second_token_s_p50"] is None and counters.stats()["pd_second_token_s_mean"] is None
     for s in (0.1, 0.2, 0.3, 0.4, 1.0):
-        counters.handover_done(s)
+        counters.second_token_done(s)
     counters.prefill_done(0.5)
     stats = counters.stats()
-    assert stats["pd_handover_s_mean"] == pytest.approx(0.4) and stats["pd_handover_s_p50"] == 0.3
-    assert stats["pd_handover_s_p99"] == 1.0 and stats["pd_prefill_s_mean"] == 0.5
+    assert stats["pd_second_token_s_mean"] == pytest.approx(0.4) and stats["pd_second_token_s_p50"] == 0.3
+    assert stats["pd_second_token_s_p99"] == 1.0 and stats["pd_prefill_s_mean"] == 0.5
     merged = merged_stats({"num_running": 9}, {"num_running": 1}, stats)
     assert merged["num_running"] == 1 and merged["prefill"] == {"num_running": 9}
     assert merged_stats(None, None, {})["decode"] is None

@@ -190,3 +190,18 @@ def test_openmp_env_keeps_what_the_user_chose():
     assert openmp_env("cpu", {"GOMP_SPINCOUNT": "300000"}) == {}
     assert openmp_env("cpu", {"OMP_WAIT_POLICY": "active"}) == {}
     assert openmp_env("cuda:0", {}) == {}
+
+
+@pytest.mark.parametrize("has_loads", [True, False])
+def test_idle_polls_for_transfers_come_fast_only_when_a_request_waits(has_loads):
+    from asyncpp.runtime import step_window
+
+    server = _server()
+    pending = SimpleNamespace(
+        has_pending_transfers=lambda: True, has_pending_loads=lambda: has_loads, schedule=lambda allow_empty: "poll"
+    )
+    server.core = SimpleNamespace(scheduler=pending, kv_connector=None)
+    before = time.monotonic()
+    assert server._schedule_poll() == "poll"
+    interval = step_window.POLL_INTERVAL_S if has_loads else step_window.HELD_POLL_INTERVAL_S
+    assert before + interval <= server._next_poll_at <= time.monotonic() + interval

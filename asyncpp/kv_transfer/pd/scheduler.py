@@ -2,9 +2,10 @@
 
 Producer (`kv_role = "producer"`, the prefill engine): a request asked for
 with `{"do_remote_decode": true}` runs its prompt and samples one token like
-any other; when it finishes, `request_finished` keeps its full prompt blocks
-(the engine holds them) and hands out signed `kv_transfer_params`
-(`pd.params`) with the request's last delta. Every stage reports the request
+any other; when it finishes at its length (not at a stop: then the client's
+request is over), `request_finished` keeps every block of its prompt (the
+engine holds them) and hands out signed `kv_transfer_params` (`pd.params`)
+with the request's last delta: the blocks and the token it sampled. Every stage reports the request
 in `finished_sending` once every consumer stage that reads its layers has
 said it is done (a notification with each pull), and the engine frees the
 blocks; a request nobody pulls is aborted after `kv_transfer.pull_timeout_s`
@@ -12,10 +13,13 @@ blocks; a request nobody pulls is aborted after `kv_transfer.pull_timeout_s`
 
 Consumer (`kv_role = "consumer"`, the decode engine): a request whose
 `kv_transfer_params` name a known producer and pass `RemotePrefill.check`
-(otherwise it is refused at `add_request`) is offered those blocks beyond its
-own prefix-cache hit: it waits in `WAITING_FOR_REMOTE_KVS` while every stage
-pulls the blocks of its layers from every producer stage that holds them
-(`TransferTopology`), then computes the rest of its prompt and decodes. A
+(otherwise it is refused at `add_request`) starts with the producer's token
+as its first output (`remote_output_token_ids`; the client has it already)
+and is offered the prompt's blocks beyond its own prefix-cache hit, the last
+one partly filled: every stage pulls the blocks of its layers from every
+producer stage that holds them (`TransferTopology`), within the plan that
+computes that first token's KV and samples the next (or, with `pull =
+"async"`, waiting in `WAITING_FOR_REMOTE_KVS` first). A
 request whose blocks it does not pull (its own cache had them, it was aborted
 first) still tells the producer, so that no block waits for its timeout.
 
@@ -28,6 +32,7 @@ geometry and reaches every stage with the next plan.
 from __future__ import annotations
 
 import secrets
+import time
 from typing import TYPE_CHECKING, Any
 
 from asyncpp.config import ConfigError
@@ -117,6 +122,14 @@ class PDScheduler(KVConnectorScheduler):
         num_remote_blocks = min(stage.num_blocks for stage in remote.stages)
         prefill.check(params["sig"], remote.params_key, self.ctx.block_size, prompt_token_ids, num_remote_blocks)
 
+    def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
+        if self.role != "consumer":
+            return []
+        try:
+            return [RemotePrefill.parse(params).first_token_id]
+        except (TypeError, ValueError):  # a multi-connector's params for another child
+            return []
+
     def _remote_prefill(self, request: "Request") -> RemotePrefill | None:
         if self.role != "consumer" or request.kv_transfer_params is None:
             return None
@@ -126,7 +139,7 @@ class PDScheduler(KVConnectorScheduler):
         prefill = self._remote_prefill(request)
         if prefill is None or request.num_preemptions:  # preempted: its pulled blocks are gone, compute
             return 0, False
-        num_tokens = prefill.num_tokens - num_computed_tokens
+        num_tokens = prefill.num_tokens - num_computed_tokens  # the last block may be partly filled
         return (num_tokens, self.is_pull_async) if num_tokens > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
@@ -134,7 +147,8 @@ class PDScheduler(KVConnectorScheduler):
         if prefill is None or num_external_tokens <= 0:
             return
         block_size = self.ctx.block_size
-        first, num_blocks = request.num_computed_tokens // block_size, num_external_tokens // block_size
+        first = request.num_computed_tokens // block_size
+        num_blocks = -(-(request.num_computed_tokens + num_external_tokens) // block_size) - first
         self._unsent_transfers.append(
             BlockTransfer(
                 request.request_id,
@@ -144,6 +158,7 @@ class PDScheduler(KVConnectorScheduler):
                 remote_request_id=prefill.remote_request_id,
                 remote_block_ids=prefill.remote_block_ids[first : first + num_blocks],
                 is_sync=not self.is_pull_async,
+                remote_ready_at=prefill.first_token_at,
             )
         )
         self._resolved.add(request.request_id)
@@ -186,19 +201,19 @@ class PDScheduler(KVConnectorScheduler):
             return False, None
         if request.kv_transfer_params != {DO_REMOTE_DECODE: True}:
             return False, None
-        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            return False, None  # aborted or failed: nothing to hand out
-        # Whole blocks, leaving the prompt's last token for the consumer to compute (it samples).
-        num_blocks = min((request.num_prompt_tokens - 1) // self.ctx.block_size, len(block_ids))
-        if num_blocks <= 0:
+        if request.status is not RequestStatus.FINISHED_LENGTH or request.num_output_tokens != 1:
+            return False, None  # stopped (the client's request is over there), aborted or failed
+        num_blocks = -(-request.num_prompt_tokens // self.ctx.block_size)
+        if num_blocks > len(block_ids):
             return False, None
-        num_tokens = num_blocks * self.ctx.block_size
         prefill = RemotePrefill(
             self.engine_id,
             request.request_id,
             list(block_ids[:num_blocks]),
-            num_tokens,
-            tokens_digest(request.prompt_token_ids[:num_tokens]),
+            request.num_prompt_tokens,
+            tokens_digest(request.prompt_token_ids),
+            request.output_token_ids[0],
+            time.time(),
         )
         self.num_handed_out += 1
         return True, prefill.signed(self._params_key)

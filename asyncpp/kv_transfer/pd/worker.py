@@ -44,6 +44,9 @@ class _Pull:
     notifs: list[tuple[str, bytes]] = field(default_factory=list)  # (agent, message) per producer stage read
     nbytes: int = 0
     started_at: float = field(default_factory=time.perf_counter)
+    # A pull within a plan, once done (before its forward): when (time.time()), and how long it took.
+    loaded_at: float | None = None
+    load_s: float | None = None
 
 
 def notification(remote_request_id: str, pp_rank: int, num_readers: int) -> bytes:
@@ -157,6 +160,8 @@ class PDWorker(KVConnectorWorker):
                 self._end_pull(request_id, failed=True)
                 return
             time.sleep(50e-6)
+        if pull is not None:
+            pull.loaded_at, pull.load_s = time.time(), time.perf_counter() - pull.started_at
 
     def _start_pull(self, transfer: BlockTransfer) -> None:
         pull = _Pull(transfer)
@@ -210,10 +215,13 @@ class PDWorker(KVConnectorWorker):
             for agent, notif in pull.notifs:  # a read that ended early may not have notified: free the producer
                 self._notify(agent, notif)
         elif pull.transfer.block_ids:
+            ready_at = pull.transfer.remote_ready_at
+            handover_s = {request_id: (pull.loaded_at or time.time()) - ready_at} if ready_at else {}
             self._stats = self._stats + KVTransferStats(
                 num_blocks_loaded=len(pull.transfer.block_ids),
                 num_bytes_loaded=pull.nbytes,
-                load_time_s=time.perf_counter() - pull.started_at,
+                load_time_s=pull.load_s if pull.load_s is not None else time.perf_counter() - pull.started_at,
+                handover_s=handover_s,
             )
         self._finished_recving.add(request_id)
 

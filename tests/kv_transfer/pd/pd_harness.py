@@ -1,8 +1,10 @@
 """Two in-process engines wired as producer (prefill) and consumer (decode), and a driver that
-serves prompts through them the way the router does: prefill with max_tokens 1, then decode with
-the producer's kv_transfer_params."""
+serves prompts through them the way the router does: prefill with max_tokens 1 (its token is the
+client's first), then decode with the producer's kv_transfer_params (its tokens come after)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from asyncpp.engine.engine import Engine
 from asyncpp.engine.outputs import Completion
@@ -26,9 +28,10 @@ def pd_pair(model_dir, prefill_pp: int, prefill_split, decode_pp: int, decode_sp
     return producer, consumer
 
 
-def prefill(producer: Engine, prompts, max_steps: int = 1000) -> list[Completion]:
+def prefill(producer: Engine, prompts, max_steps: int = 1000, params: SamplingParams = PREFILL) -> list[Completion]:
     """Run the prompts on the producer until each has its one token (its blocks stay held)."""
-    ids = [producer.add_request(p, PREFILL, kv_transfer_params={"do_remote_decode": True}) for p in prompts]
+    params = dataclasses.replace(params, max_tokens=1)
+    ids = [producer.add_request(p, params, kv_transfer_params={"do_remote_decode": True}) for p in prompts]
     done = {rid: Completion(rid) for rid in ids}
     for _ in range(max_steps):
         if all(c.finish_reason is not None for c in done.values()):
@@ -56,10 +59,20 @@ def drain(producer: Engine, consumer: Engine, ids: list[str], max_steps: int = 5
 
 
 def serve_pd(producer: Engine, consumer: Engine, prompts, params: SamplingParams) -> list[Completion]:
-    prefilled = prefill(producer, prompts)
+    """What a client gets: the producer's token and text, then the consumer's."""
+    prefilled = prefill(producer, prompts, params=params)
     ids = [consumer.add_request(p, params, kv_transfer_params=c.kv_transfer_params) for p, c in zip(prompts, prefilled)]
     done = drain(producer, consumer, ids)
-    return [done[rid] for rid in ids]
+    return [joined(first, done[rid]) for first, rid in zip(prefilled, ids)]
+
+
+def joined(first: Completion, rest: Completion) -> Completion:
+    return dataclasses.replace(
+        rest,
+        text=first.text + rest.text,
+        token_ids=first.token_ids + rest.token_ids,
+        logprobs=None if first.logprobs is None else first.logprobs + (rest.logprobs or []),
+    )
 
 
 def assert_idle(*engines: Engine) -> None:

@@ -45,8 +45,9 @@ def test_disaggregated_greedy_output_equals_one_engine(tiny_hf_dir, prompts, exp
         assert [c.token_ids for c in completions] == expected
         assert all(c.error is None for c in completions)
         stats = consumer.kv_connector.stats()
-        # Every prompt of at least two blocks' tokens was pulled, not computed.
-        assert stats["pd_num_pulls"] == sum(1 for p in prompts if (len(p) - 1) // 16 > 0)
+        # Every prompt was pulled, its last block partly filled; its last token was not computed again.
+        assert stats["pd_num_pulls"] == len(prompts)
+        assert stats["pd_num_pulled_tokens"] == sum(len(p) for p in prompts)
         assert consumer.stats()["kv_blocks_loaded"] > 0
         assert_idle(producer, consumer)
     finally:
@@ -99,6 +100,7 @@ def test_forged_and_malformed_params_fail_alone(tiny_hf_dir, prompts, expected):
             "block ids it does not own": {**good, "remote_block_ids": [b + 1 for b in good["remote_block_ids"]]},
             "wrong types": {**good, "num_tokens": "96"},
             "wrong token count": {**good, "num_tokens": good["num_tokens"] - 16},
+            "another first token": {**good, "first_token_id": good["first_token_id"] + 1},
             "not a map": [1, 2],
             "missing keys": {"remote_engine_id": "prefill"},
         }
@@ -112,7 +114,7 @@ def test_forged_and_malformed_params_fail_alone(tiny_hf_dir, prompts, expected):
             producer.add_request(prompt, GREEDY, kv_transfer_params={"do_remote_decode": "yes"})
         # The good one still goes through, exactly.
         rid = consumer.add_request(prompt, GREEDY, kv_transfer_params=good)
-        assert drain(producer, consumer, [rid])[rid].token_ids == expected[-1]
+        assert done.token_ids + drain(producer, consumer, [rid])[rid].token_ids == expected[-1]
         assert_idle(producer, consumer)
     finally:
         consumer.close()
@@ -200,6 +202,95 @@ def test_real_model_prefill_pp2_decode_pp1_is_token_exact():
         assert stats["pd_num_pulled_tokens"] >= 96
         assert stats["pd_num_pulls"] + stats["pd_num_released_unpulled"] == 3
         assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_sampled_output_logprobs_and_stop_strings_equal_one_engine(tiny_hf_dir, prompts):
+    """The prefill engine's token is the client's first: seeded sampling, logprobs and a stop string
+    that begins in that token's text and ends in the decode engine's continue exactly as one engine."""
+    single = Engine(tiny_config(tiny_hf_dir))
+    producer, consumer = pd_pair(tiny_hf_dir, 1, (), 2, (1, 3))
+    try:
+        sampled = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=11, logprobs=2, ignore_eos=True)
+        want = single.generate(prompts, sampled)
+        got = serve_pd(producer, consumer, prompts, sampled)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.logprobs for c in got] == [c.logprobs for c in want]
+
+        plain = single.generate(prompts, GREEDY)
+        # A stop string across the first two tokens' text: the prefill engine holds back its start.
+        i = next(i for i, c in enumerate(plain) if _spans(single, c.token_ids))
+        stop = _spans(single, plain[i].token_ids)
+        for include in (False, True):
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+            [want] = single.generate([prompts[i]], params)
+            assert want.finish_reason == "stop" and want.stop_reason == stop
+            [got] = serve_pd(producer, consumer, [prompts[i]], params)
+            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+                want.text, want.token_ids, want.finish_reason, want.stop_reason
+            )
+        assert_idle(producer, consumer)
+    finally:
+        single.close()
+        consumer.close()
+        producer.close()
+
+
+def _spans(engine: Engine, token_ids: list[int]) -> str | None:
+    """Two characters of the text, the last of the first token's and the first of the second's."""
+    first, both = _text(engine, token_ids[:1]), _text(engine, token_ids[:2])
+    if first and len(both) > len(first) and both.startswith(first) and "\ufffd" not in both:
+        return both[len(first) - 1 : len(first) + 1]
+    return None
+
+
+def _text(engine: Engine, token_ids: list[int]) -> str:
+    return engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def test_a_request_that_stops_at_its_first_token_hands_out_nothing(tiny_hf_dir, prompts, expected):
+    producer, consumer = pd_pair(tiny_hf_dir, 1, (), 1, ())
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[expected[0][0]])
+        [done] = prefill(producer, prompts[:1], params=params)
+        assert (done.finish_reason, done.kv_transfer_params, done.token_ids) == ("stop", None, expected[0][:1])
+        assert_idle(producer)  # nothing held: the client's request is over
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_max_tokens_must_leave_something_after_the_prefill_token(tiny_hf_dir, prompts):
+    producer, consumer = pd_pair(tiny_hf_dir, 1, (), 1, ())
+    try:
+        [done] = prefill(producer, prompts[:1])
+        with pytest.raises(InvalidRequestError, match="leaves nothing to generate") as info:
+            consumer.add_request(prompts[0], SamplingParams(max_tokens=1), kv_transfer_params=done.kv_transfer_params)
+        assert info.value.field == "max_tokens"
+        stop = _text(consumer, done.token_ids)
+        if stop:  # a stop string the prefill's own token completes: the prefill engine would have stopped
+            with pytest.raises(InvalidRequestError, match="stop strings"):
+                consumer.add_request(prompts[0], SamplingParams(stop=[stop]), kv_transfer_params=done.kv_transfer_params)
+        consumer.add_request(prompts[0], GREEDY, kv_transfer_params=done.kv_transfer_params)  # still pullable
+        drain(producer, consumer, [])
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_the_handover_is_timed_per_request(tiny_hf_dir, prompts):
+    """From the prefill engine's token to the decode stages having its KV (the latest stage's)."""
+    producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 2, (3, 1))
+    try:
+        serve_pd(producer, consumer, prompts[:3], GREEDY)
+        stats = consumer.stats()
+        assert stats["kv_num_handovers"] == 3
+        assert 0 < stats["kv_handover_s_p50"] <= stats["kv_handover_s_p99"] < 30
+        assert producer.stats()["kv_num_handovers"] == 0 and producer.stats()["kv_handover_s_p50"] is None
     finally:
         consumer.close()
         producer.close()
