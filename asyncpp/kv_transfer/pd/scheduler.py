@@ -60,7 +60,7 @@ class PDScheduler(KVConnectorScheduler):
         pull = ctx.extra.get("pull", "sync")
         if pull not in ("sync", "async"):
             raise ConfigError(f"kv_transfer.options.pull must be 'sync' or 'async', got {pull!r}")
-        # sync: a request's pull and the computing of its last prompt tokens share one plan (a
+        # sync: a request's pull and the computing of its first token's KV share one plan (a
         # failed pull fails the request); async: it waits for the pull, then is scheduled.
         self.is_pull_async = pull == "async"
         self.engine_id = ctx.engine_id

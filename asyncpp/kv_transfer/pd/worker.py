@@ -12,7 +12,10 @@ descriptor list of block runs, K and V of every layer, consecutive blocks
 merged. Each read carries a notification "request|consumer pp_rank|readers"
 that the producer stage gets once the read is over. A pull is reported in
 `finished_recving` once all its reads ended; a failed read makes all of the
-request's blocks invalid (recomputed). A release (nothing to pull) sends the
+request's blocks invalid (recomputed). A pull that ended well reports its
+handover (`KVTransferStats.handover_s`): from the producer's first token
+(`BlockTransfer.remote_ready_at`) to the blocks being here, which for a pull
+within a plan is the start of the forward that uses them. A release (nothing to pull) sends the
 notifications alone.
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
