@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,10 +47,17 @@ class EngineProcess:
 
 @contextlib.contextmanager
 def launched_engine(
-    config_path: str | Path, *, ready_timeout_s: float = 600.0, stop_timeout_s: float = 60.0, log_level: str = "warning"
+    config_path: str | Path,
+    *,
+    ready_timeout_s: float = 600.0,
+    stop_timeout_s: float = 60.0,
+    log_level: str = "warning",
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[EngineProcess]:
-    cmd = [sys.executable, "-m", "asyncpp.launch", "--config", str(config_path), "--log-level", log_level]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    """`extra_args`: more launcher flags (`--log-file F`); `env`: variables added to this process's."""
+    cmd = [sys.executable, "-m", "asyncpp.launch", "--config", str(config_path), "--log-level", log_level, *extra_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )

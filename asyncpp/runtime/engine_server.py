@@ -113,6 +113,8 @@ class EngineServer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.window.phases.num_steps:  # ASYNCPP_STEP_PHASES=1
+            self.log.info("step_phases", **self.window.phases.summary())
         return self.exit_code
 
     async def drain_and_stop(self) -> None:

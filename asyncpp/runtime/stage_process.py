@@ -45,6 +45,7 @@ from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.step_phases import StepPhases, step_phases
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import PullQueue, PushQueue
@@ -182,16 +183,22 @@ class Stage:
         self.sender = None
         self.shared_kv: list[SharedKVSegment] = []
         self.runner: ModelRunner | None = None
+        self.phases = step_phases(args.device)  # off unless ASYNCPP_STEP_PHASES=1
 
     def serve(self) -> None:
         start = self._start_up()
         self._build_runner(start)
         self.outputs.put(StageHandshake(self.args.pp_rank, 0, self.runner.kv_connector.get_handshake_metadata()))
+        self.runner.phases = phases = self.phases
         while True:
             msg = self.plans.get()
+            phases.mark("wait_plan")  # idle until the engine's plan, and reading it
             if isinstance(msg, Shutdown):
                 return
-            self.outputs.put(self._run_step(msg))
+            phases.start_step()
+            output = self._run_step(msg)
+            self.outputs.put(output)
+            phases.mark("send_output")
 
     def _start_up(self) -> StageStart:
         a = self.args
@@ -269,6 +276,7 @@ class Stage:
         output = ModelRunnerOutput()
         if self.tokens_in is not None:
             self._take_sampled_tokens(plan.after_step_id)
+            self.phases.mark("wait_tokens")
         t0 = t_written = time.time()  # waiting for sampled tokens is not busy time
         # A plan with no tokens moves no activations (only the KV connector is polled).
         moves_activations = not plan.is_empty
@@ -279,6 +287,7 @@ class Stage:
             intermediate = None
             if self.acts_in is not None and moves_activations:
                 notice = self.acts_in.get()
+                self.phases.mark("wait_activations")
                 t0 = t_written = time.time()  # waiting for the previous stage is not busy time
                 if notice.step_id != plan.step_id:
                     raise RuntimeError(f"activation notice for step {notice.step_id} while running step {plan.step_id}")
@@ -295,6 +304,7 @@ class Stage:
                 if self.tokens_out is not None:
                     latest = [ids[-1] for ids in output.sampled_token_ids]
                     self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest, output.draft_token_ids))
+                    self.phases.mark("send_tokens")
             else:
                 if moves_activations:
                     t_handoff = time.perf_counter()
@@ -303,6 +313,7 @@ class Stage:
                     # The slice ends when the activations are in place; the notice releases the next stage.
                     t_written = time.time()
                     self.acts_out.put(notice)
+                    self.phases.mark("handoff")
                 is_handed_off = True
                 output = self.runner.finish_step()
                 is_connector_done = True
@@ -348,6 +359,8 @@ class Stage:
             self.last_tokens_step_id = msg.step_id
 
     def close(self) -> None:
+        if isinstance(self.phases, StepPhases) and self.phases.num_steps:
+            self.log.info("step_phases", **self.phases.summary())
         if self.runner is not None:
             if self.runner.graphs is not None:  # how often each graph size served a step
                 self.log.info("cuda_graph_runs", runs={str(size): n for size, n in self.runner.graphs.num_runs.items()})

@@ -53,6 +53,7 @@ from asyncpp.engine.outputs import RequestOutput
 from asyncpp.logging import get_logger, is_debug_enabled
 from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.runtime.stage_group import StageGroup
+from asyncpp.step_phases import step_phases
 from asyncpp.wire.stage_msgs import StageOutput
 
 # While only KV transfers are pending, the stages are polled this often (their threads move the bytes).
@@ -115,6 +116,7 @@ class StepWindow:
         self.num_lent_steps = 0  # dispatched with lent threads
         self.stage_busy_s = [0.0] * self.pp_size
         self.handoff_us: list[collections.deque] = [collections.deque(maxlen=10000) for _ in range(self.pp_size)]
+        self.phases = step_phases()  # off unless ASYNCPP_STEP_PHASES=1
 
     def wake(self) -> None:
         """New work (a request, an abort): fill the window."""
@@ -140,8 +142,9 @@ class StepWindow:
         sent, so stages never wait on delivery to clients. The lock keeps every
         stage's plans in step order when both call at once.
         """
+        phases, clock = self.phases, time.perf_counter
         async with self._dispatch_lock:
-            while not self.is_stopped and (plan := self._schedule_next() or self._schedule_poll()) is not None:
+            while not self.is_stopped and (plan := self._timed_schedule()) is not None:
                 if self.max_lent_threads and len(self.cohorts) == 1 and (n := self._lent_threads()):
                     plan = dataclasses.replace(plan, num_threads=n)
                     self.num_lent_steps += 1
@@ -150,7 +153,9 @@ class StepWindow:
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
                 self._last_prefill_tokens = num_prefill_tokens(plan)
+                t0 = clock()
                 await self.stages.broadcast(plan)
+                phases.add("send_plan", clock() - t0)
                 if self._is_debug:
                     self.log.debug(
                         "step_dispatched",
@@ -162,6 +167,12 @@ class StepWindow:
                         num_threads=plan.num_threads,
                         layer_bounds=plan.layer_bounds,
                     )
+
+    def _timed_schedule(self) -> StepPlan | None:
+        t0 = time.perf_counter()
+        plan = self._schedule_next() or self._schedule_poll()
+        self.phases.add("schedule", time.perf_counter() - t0)
+        return plan
 
     def _schedule_next(self) -> StepPlan | None:
         """The first step of a new cohort, else (async) the next step of the cohort dispatched longest ago.
@@ -275,7 +286,10 @@ class StepWindow:
         else:
             # The scheduler is up to date once this returns, stop strings included (they finish
             # requests during detokenization), so the next plans can leave before the deltas.
+            phases, t0 = self.phases, time.perf_counter()
+            phases.start_step()
             results = self.core.process_output(step.plan, self._stage_outputs(step))
+            phases.add("process_output", time.perf_counter() - t0)
             if self.balancer is not None:
                 self.balancer.observe(step.plan, [step.outputs[rank].busy_s for rank in range(self.pp_size)])
             if (policy := self.core.scheduler.draft_policy) is not None:  # what a wider step costs
@@ -288,7 +302,9 @@ class StepWindow:
                 failed_ids = {request_id for request_id, _ in failed}
                 results = [out for out in results if out.request_id not in failed_ids]
             await self._dispatch()
+            t0 = time.perf_counter()
             await self.deliver(results)
+            phases.add("deliver", time.perf_counter() - t0)
             for request_id, why in failed:
                 await self.fail(request_id, why, "internal")
 

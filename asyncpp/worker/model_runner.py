@@ -40,6 +40,7 @@ from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.proposer import Proposer
 from asyncpp.speculative.rejection import RejectionSampler
+from asyncpp.step_phases import NO_PHASES, StepPhases, _NoPhases
 from asyncpp.worker.cuda_graphs import DecodeGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
@@ -120,6 +121,7 @@ class ModelRunner:
         self.execute_state: ExecuteModelState | None = None
         self.forward_step_id = -1  # the latest step whose forward ran to its end (its KV is written)
         self.kv_connector = kv_connector or KVConnectorWrapper()
+        self.phases: StepPhases | _NoPhases = NO_PHASES  # the stage sets its own (`asyncpp.step_phases`)
         self.kv_connector.register_kv_caches(kv_caches, model.start_layer)
 
     @property
@@ -158,15 +160,20 @@ class ModelRunner:
     ) -> IntermediateTensors | None:
         if self.execute_state is not None:
             raise RuntimeError(f"execute_model(step {plan.step_id}) before sample_tokens of step {self.execute_state.step_id}")
+        phases = self.phases
         self._update_states(plan)
         finished = frozenset(plan.finished_req_ids)
         self.execute_state = ExecuteModelState(plan.step_id, [], None, finished, has_forward=not plan.is_empty)
+        phases.mark("update_states")
         self.kv_connector.pre_forward(plan)
+        phases.mark("kv_pre_forward")
         if plan.is_empty:
             return None
         void = self._void_continuations(plan) if self.is_last and plan.after_step_id is not None else frozenset()
         first = self.model.is_first
         inputs = self.buffers.prepare(plan, self.sampled_token_ids if first else None, self.latest_drafts, void)
+        phases.mark("prepare_inputs")
+        phases.gpu_begin("forward")
         if not self.model.is_first:
             if intermediate is None:
                 raise ValueError(f"step {plan.step_id}: stage {self.model.start_layer}.. needs intermediate tensors")
@@ -193,8 +200,12 @@ class ModelRunner:
             )
         self.forward_step_id = plan.step_id
         if not self.is_last:
+            phases.mark("forward")  # graph replay, or the eager ops' launches (GPU: gpu_ms)
+            phases.gpu_end("forward")
             return out
         logits = self.model.compute_logits(out[inputs.logits_indices]) if inputs.sampling_req_ids else None
+        phases.mark("forward")
+        phases.gpu_end("forward")
         self.execute_state = ExecuteModelState(
             plan.step_id, inputs.sampling_req_ids, logits, finished, draft_token_ids=inputs.draft_token_ids
         )
@@ -226,12 +237,18 @@ class ModelRunner:
         state, self.execute_state = self.execute_state, None
         if state is None or not self.is_last:
             raise RuntimeError("sample_tokens() without a preceding execute_model() on the last stage")
+        phases = self.phases
+        phases.gpu_begin("sample")
         output = self._sample(state) if state.logits is not None else None
+        phases.mark("sample")  # with the sampled tokens' copy to the host
+        phases.gpu_end("sample")
         drafts = self.propose_drafts(state, output)
         if drafts is not None:
             self.latest_drafts.update(zip(output.req_ids, drafts))
             output = dataclasses.replace(output, draft_token_ids=drafts)
+            phases.mark("propose_drafts")
         kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
+        phases.mark("kv_post_forward")
         if output is None:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         return dataclasses.replace(output, kv_connector_output=kv_output) if kv_output is not None else output
@@ -242,6 +259,7 @@ class ModelRunner:
         if state is None or self.is_last:
             raise RuntimeError("finish_step() without a preceding execute_model() on a non-last stage")
         kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
+        self.phases.mark("kv_post_forward")
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 
     def abort_step(self, plan: StepPlan) -> ModelRunnerOutput:

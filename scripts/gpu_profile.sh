@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Where a GPU step's time goes (#39's profile), in one device call on a lent GPU machine:
+# the plain single-process decode loop this path is held against (scripts/plain_decode_loop.py,
+# a copy of ../shared/device/plain_decode_loop.py: ms per step at batch 1/16/64/256, eager and
+# one CUDA graph per step; then under torch.compile), and asyncpp's per-step phases
+# (`python -m asyncpp.bench.step_phases`: per process, host ms per step of each phase and the
+# GPU ms of the forward and the sampling, with the client's TPOT) at c = 1, 64, 256, pp = 1 and 2.
+# Reports go to $OUT (default ./gpu-out).
+#
+#   ../shared/device/wheels.sh                # here, once: fills .whl (carry it)
+#   run: bash scripts/gpu_profile.sh          # there, with carry [".whl"] and timeout_s 600
+#
+# Sized by the environment: CONCURRENCIES (default "1,64,256"), RUNS (default "pp=1;pp=2"),
+# PROMPTS (per concurrency, default 64), PROFILE_TIMEOUT (s, default 420).
+set -uo pipefail
+. "$(dirname "$0")/gpu_env.sh"
+PY=python3
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+echo "== plain decode loop (ms per step)"
+timeout 90 $PY scripts/plain_decode_loop.py > "$OUT/plain_loop.txt" 2>&1; tail -1 "$OUT/plain_loop.txt"
+timeout 120 $PY scripts/plain_decode_loop.py --compile > "$OUT/plain_loop_compiled.txt" 2>&1; tail -1 "$OUT/plain_loop_compiled.txt"
+
+echo "== asyncpp step phases"
+$PY -m asyncpp.weights.export_random smollm2-135m /tmp/smollm2-shape > /dev/null
+timeout "${PROFILE_TIMEOUT:-420}" $PY -m asyncpp.bench.step_phases --config configs/gpu-smollm2-shape.toml \
+  --runs "${RUNS:-pp=1;pp=2}" --concurrency "${CONCURRENCIES:-1,64,256}" --num-prompts "${PROMPTS:-64}" \
+  --input-len 64 --output-len 128 --result-json "$OUT/step_phases.json" > "$OUT/step_phases.txt" 2>&1
+cat "$OUT/step_phases.txt"
