@@ -51,7 +51,7 @@ from asyncpp.transport import transport_for
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import RouterQueue
 from asyncpp.worker.shared_kv import SharedKVSegment
-from asyncpp.worker.stage import decode_graph_sizes
+from asyncpp.worker.stage import step_graph_sizes
 
 STAGE_READY_TIMEOUT_S = 600.0
 
@@ -95,7 +95,7 @@ def stage_args_for(
             weight_format=plan.weight_format,
             device=devices[rank],
             peer_device=devices[rank - 1] if rank > 0 else devices[rank],
-            graph_sizes=decode_graph_sizes(config, devices[rank]),
+            graph_sizes=step_graph_sizes(config, devices[rank]),
             max_model_len=capacity.max_model_len,
             linear_kernel=config.model.linear_kernel,
             num_threads=config.parallel.num_threads,

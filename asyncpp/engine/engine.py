@@ -62,7 +62,7 @@ from asyncpp.worker.shared_kv import SharedKVSpec, allocate_shared_kv, shared_kv
 from asyncpp.worker.stage import (
     build_model_slice,
     build_runner,
-    decode_graph_sizes,
+    step_graph_sizes,
     stage_num_blocks,
     torch_dtype,
 )
@@ -379,7 +379,7 @@ class Engine(EngineCore):
                 dtype=dtype,
                 device=device,
                 kv_connector=create_worker_connector(kv_ctx, rank, kv_module),
-                graph_sizes=decode_graph_sizes(config, device),
+                graph_sizes=step_graph_sizes(config, device),
                 max_model_len=capacity.max_model_len,
                 isa=plan.isa,
                 pp_rank=rank,

@@ -1,28 +1,28 @@
-"""Decode steps replayed from CUDA graphs captured at start-up, one per batch size (and ring slot).
+"""Steps replayed from CUDA graphs captured at start-up, one per size (and ring slot).
 
-A decode-only step of `n` requests (one token each) is padded to the
-smallest captured size `B >= n` and replayed: the graph reads its inputs
-from static buffers (`input_ids`, `positions`, `slot_mapping`, the block
-table, `context_lens`) that `run` fills before the replay, and on a
-non-first stage straight from the activation ring slot the previous stage
-wrote into. The ring slots ARE the graphs' input addresses (one graph per
-size and slot), so activations are copied once, by the sender; vLLM's PP
-graphs copy the received tensors into the graph's buffer a second time.
+A step of `n` tokens is padded to the smallest captured size `B >= n` and
+replayed, whatever it carries: decodes, a request's last token and its drafts
+(speculative decoding), prefill chunks, or a mix. The attention kernel takes
+every query token as a row of its own (`_KernelRows`: its position, slot,
+block-table row and context length; a prefill chunk's token attends its
+prefix like a decode at its position, the chunk's earlier tokens included,
+whose K/V the layer writes first), so one launch shape serves any mix and no
+uniform query length is needed (`num_reqs` is never adjusted, seed 002). The
+graph reads its inputs from static buffers (`input_ids`, `positions`,
+`slot_mapping`, the per-row block table, `context_lens`) that `run` fills
+before the replay, and on a non-first stage straight from the activation
+ring slot the previous stage wrote into. The ring slots ARE the graphs'
+input addresses (one graph per size and slot), so activations are copied
+once, by the sender; vLLM's PP graphs copy the received tensors into the
+graph's buffer a second time. The logits of the rows that sample are taken
+from the graph's output outside it.
 
 Padding rows compute garbage that nobody reads: their K/V go to a padding
 block past the last block the engine hands out (`pad_slot`), and they attend
-one key. The attention kernel treats every query row on its own, so no
-uniform query length is needed and `num_reqs` is never adjusted (seed 002).
-
-With speculative decoding a request's step carries its last token and up
-to k drafts (`max_tokens_per_req` = 1 + k): the rows are still independent
-(each its own position, slot, block table and context length), so such a
-verification step of `t` rows replays the graph of the smallest size
-`>= t` like a decode step of `t` requests; the logits of the rows that are
-verified are taken from the graph's output outside it. Prefills, steps with
-more than `max_tokens_per_req` rows for some request, and steps larger than
-the largest size run eagerly. In-process stages (no ring) read from a buffer of their own
-(`copy_inputs`), into which the previous stage's output is copied. With `capture=False` the same static-buffer path runs without
+one key. Only steps larger than the largest size (and the torch attention
+path, which has no rows) run eagerly. In-process stages (no ring) read from a
+buffer of their own (`copy_inputs`), into which the previous stage's output
+is copied. With `capture=False` the same static-buffer path runs without
 graphs: that is how CPU tests check the padding and buffer logic.
 """
 
@@ -46,7 +46,7 @@ class _Captured:
     output: IntermediateTensors | torch.Tensor | None  # the graph's output buffers (padded rows)
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(
         self,
         model: LlamaModel,
@@ -61,7 +61,6 @@ class DecodeGraphs:
         copy_inputs: bool = False,  # True: input_slots is our own buffer, activations are copied in
         device: torch.device,
         capture: bool,
-        max_tokens_per_req: int = 1,  # 1 + k with speculative decoding: a request's last token and its drafts
     ) -> None:
         if not sizes:
             raise ValueError("no CUDA graph sizes")
@@ -72,7 +71,6 @@ class DecodeGraphs:
         self.block_size, self.pad_slot = block_size, pad_slot
         self.input_slots = input_slots if not model.is_first else None
         self.device, self.capture, self.copy_inputs = device, capture, copy_inputs
-        self.max_tokens_per_req = max_tokens_per_req
         max_b = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
         self.input_ids = torch.zeros(max_b, **i64)
@@ -91,10 +89,10 @@ class DecodeGraphs:
     def max_size(self) -> int:
         return self.sizes[-1]
 
-    def padded_size(self, inputs: StepInputs, num_reqs: int) -> int | None:
-        """The captured size for this step, or None to run it eagerly (a prefill, too large)."""
+    def padded_size(self, inputs: StepInputs) -> int | None:
+        """The captured size for this step, or None to run it eagerly (too large, no attention rows)."""
         n = inputs.num_tokens
-        if n > num_reqs * self.max_tokens_per_req or n > self.max_size or inputs.attn_meta.kernel_rows is None:
+        if n > self.max_size or inputs.attn_meta.kernel_rows is None:
             return None
         return next(b for b in self.sizes if b >= n)
 

@@ -41,7 +41,7 @@ from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.proposer import Proposer
 from asyncpp.speculative.rejection import RejectionSampler
 from asyncpp.step_phases import NO_PHASES, StepPhases, _NoPhases
-from asyncpp.worker.cuda_graphs import DecodeGraphs
+from asyncpp.worker.cuda_graphs import StepGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
 from asyncpp.worker.step_inputs import StepInputBuffers
@@ -101,7 +101,7 @@ class ModelRunner:
                 self.device, dtype, *heads, block_size=block_size
             )
         self.decode_kernel = decode_kernel
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         self.graph_sizes = tuple(graph_sizes) if decode_kernel is not None else ()
         self.max_model_len, self.pad_slot = max_model_len, pad_slot
         self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
@@ -138,7 +138,7 @@ class ModelRunner:
         if copy_inputs:
             dtype = self.kv_caches[0][0].dtype
             input_slots = [IntermediateTensors.allocate(self.max_num_batched_tokens, self.model.arch.hidden_size, dtype, self.device)]
-        self.graphs = DecodeGraphs(
+        self.graphs = StepGraphs(
             self.model,
             self.kv_caches,
             self.decode_kernel,
@@ -150,7 +150,6 @@ class ModelRunner:
             copy_inputs=copy_inputs,
             device=self.device,
             capture=self.device.type == "cuda",  # CPU: the same static buffers, no graphs
-            max_tokens_per_req=1 + self.num_speculative_tokens,
         )
         self.graphs.capture_all()
 
@@ -186,7 +185,7 @@ class ModelRunner:
             if intermediate["hidden_states"].device != self.device:  # in-process stages on different GPUs
                 intermediate = IntermediateTensors({k: v.to(self.device) for k, v in intermediate.tensors.items()})
         layer_range = self._layer_range(plan)
-        size = self.graphs.padded_size(inputs, len(plan.scheduled)) if self.graphs is not None else None
+        size = self.graphs.padded_size(inputs) if self.graphs is not None else None
         if size is not None:
             out = self.graphs.run(size, inputs, intermediate)
         else:

@@ -113,19 +113,16 @@ def _linear_backend(stored_kernel: NativeKernel | None, bf16_kernel: bool, num_p
     return "linear_bf16" if bf16_kernel else "onednn" if num_packed else "torch"
 
 
-def decode_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
-    """The decode step sizes (rows) a stage on `device` captures CUDA graphs for (none on CPU): up to
-    one row per running request, 1 + k with speculative decoding (verification steps replay them too)."""
+def step_graph_sizes(config: EngineConfig, device: str) -> tuple[int, ...]:
+    """The step sizes (tokens) a stage on `device` captures CUDA graphs for (none on CPU): every
+    `model.cuda_graph_sizes` entry a step can reach (`scheduler.max_num_batched_tokens`), and the
+    smallest one above it, so that every step up to that many tokens replays a graph."""
     if not (is_cuda(device) and config.model.cuda_graphs):
         return ()
     sizes, max_tokens = config.model.cuda_graph_sizes, config.scheduler.max_num_batched_tokens
-    spec = config.speculative
-    max_rows = config.scheduler.max_num_seqs * (1 + spec.num_speculative_tokens if spec.is_enabled else 1)
-    fitting = tuple(b for b in sizes if b <= min(max_rows, max_tokens))
-    if fitting:
-        return fitting
-    # Every size is over max_num_seqs: the smallest still serves every decode step, padded.
-    return tuple(sizes[:1]) if sizes and sizes[0] <= max_tokens else ()
+    fitting = tuple(b for b in sizes if b < max_tokens)
+    above = [b for b in sizes if b >= max_tokens]
+    return fitting + tuple(above[:1])
 
 
 def stage_num_blocks(arch: ModelArch, num_layers: int, budget_mb: int, block_size: int, dtype: torch.dtype) -> int:

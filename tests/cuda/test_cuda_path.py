@@ -221,3 +221,21 @@ def test_bfloat16_smollm2_shape_follows_transformers(smollm2_shape_dir):
     divergences = bfloat16_divergences(hf16, hf32, prompts, results, 32)
     print(f"\nfirst divergence per prompt (None = all 32 equal; else step, float32 gap, bfloat16 noise): {divergences}")
     assert all(d is None or d[1] <= 2 * d[2] for d in divergences), divergences
+
+
+@pytest.mark.parametrize("pp_size,split", [(1, ()), (2, (2, 2))])
+def test_steps_with_prefill_chunks_replay_the_graphs(tiny_hf_dir, prompts, reference, pp_size, split):
+    """Every step up to the largest size replays a graph, prefill chunks and mixed steps included
+    (each prompt token is an attention row like a decode): the tokens are the eager path's."""
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    engine = Engine(cuda_config(tiny_hf_dir, parallel={"pp_size": pp_size, "layer_split": split},
+                                model={"cuda_graph_sizes": sizes}, scheduler={"max_num_batched_tokens": 64}))  # fmt: skip
+    taken = []
+    for runner in engine.executor.runners:
+        padded_size = runner.graphs.padded_size
+        runner.graphs.padded_size = lambda inputs, _f=padded_size: taken.append(_f(inputs)) or taken[-1]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    results = engine.generate(prompts, params)
+    assert [r.token_ids for r in results] == [ref[: p.max_tokens] for ref, p in zip(reference, params)]
+    assert taken and None not in taken  # no step ran eagerly
+    assert all(r.graphs.capture and r.graphs.num_runs[64] > 0 for r in engine.executor.runners)

@@ -15,5 +15,5 @@ import asyncpp.launch
 SIZES = (1, 2, 4, 8)
 
 if __name__ == "__main__":
-    asyncpp.launch.decode_graph_sizes = lambda config, device: SIZES
+    asyncpp.launch.step_graph_sizes = lambda config, device: SIZES
     sys.exit(asyncpp.launch.main())
