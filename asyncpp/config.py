@@ -52,10 +52,11 @@ class ModelConfig:
     # AVX512-BF16 (CPU only); "auto": native wherever that holds and the kernel builds.
     weight_format: str = "auto"
     # CUDA stages: capture a graph per stage for steps of these numbers of tokens, decodes,
-    # prefill chunks or both (a step is padded to the next one; larger steps run eagerly). Sizes
-    # past scheduler.max_num_batched_tokens but the first are not captured. Ignored on CPU.
+    # prefill chunks or both (a step is padded to the next one; larger steps run eagerly: their
+    # launches are a small part of their compute, which padding would grow, as in vLLM's 512 cap).
+    # Sizes past scheduler.max_num_batched_tokens but the first are not captured. Ignored on CPU.
     cuda_graphs: bool = True
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
 
     def __post_init__(self) -> None:
         if self.source not in _SOURCES:
