@@ -1,9 +1,11 @@
 """Prometheus metrics with vLLM's names where they mean the same.
 
-Engine-wide gauges (running and waiting requests, KV-cache usage) and
+Engine-wide gauges (running and waiting requests, KV-cache usage),
 speculative decoding's counters (`vllm:spec_decode_*`, totals since the
-engine started, every client's requests) are read from the engine's stats
-when `/metrics` is scraped; the other counters and histograms are kept here,
+engine started, every client's requests) and, with a KV connector, its
+transfer counters and handover times (`asyncpp:kv_*`; behind a
+prefill/decode router, the decode engine's and the router's `asyncpp:pd_*`)
+are read from the engine's stats when `/metrics` is scraped; the other counters and histograms are kept here,
 per request served over HTTP (requests of native clients are not in them).
 """
 
@@ -18,7 +20,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -49,6 +51,8 @@ class HttpMetrics:
         self.model_name = model_name
         self.spec_decode = _SpecDecodeCounters(model_name)
         r.register(self.spec_decode)
+        self.kv_transfer = _KVTransferMetrics(model_name)
+        r.register(self.kv_transfer)
 
     def request_done(self, record: RequestTimes, finish_reason: str | None) -> None:
         m = self.model_name
@@ -73,6 +77,7 @@ class HttpMetrics:
             used = total - stats.get("num_free_kv_blocks", total)
             self.kv_usage.labels(m).set(used / total if total else 0.0)
             self.spec_decode.stats = stats
+            self.kv_transfer.stats = stats
         return generate_latest(self.registry)
 
 
@@ -104,6 +109,47 @@ class _SpecDecodeCounters:
         for position, count in enumerate(per_pos):
             family.add_metric([self.model_name, str(position)], count)
         yield family
+
+
+class _KVTransferMetrics:
+    """The KV connector's totals and handover times from the engine's stats (absent without one)."""
+
+    _COUNTERS = (  # (stats key, metric, help)
+        ("kv_blocks_loaded", "asyncpp:kv_blocks_loaded", "KV blocks loaded by the connector, summed over stages."),
+        ("kv_bytes_loaded", "asyncpp:kv_bytes_loaded", "KV bytes loaded by the connector, summed over stages."),
+        ("kv_blocks_saved", "asyncpp:kv_blocks_saved", "KV blocks saved by the connector, summed over stages."),
+        ("kv_bytes_saved", "asyncpp:kv_bytes_saved", "KV bytes saved by the connector, summed over stages."),
+        ("num_failed_load_tokens", "asyncpp:kv_failed_load_tokens", "Tokens whose KV failed to load (recomputed)."),
+        ("num_timed_out_transfers", "asyncpp:kv_timed_out_transfers", "KV transfers aborted at their deadline."),
+        ("kv_num_handovers", "asyncpp:kv_handovers", "Requests whose remote KV arrived (prefill/decode)."),
+        ("pd_num_handovers", "asyncpp:pd_handovers", "Requests the router handed to the decode engine."),
+        ("pd_num_failed", "asyncpp:pd_failed", "Requests the router failed."),
+    )
+    _QUANTILES = (  # (stats key prefix, metric, help): gauges by quantile over recent requests
+        ("kv_handover_s", "asyncpp:kv_handover_seconds", "Remote prefill's first token -> KV on every decode stage."),
+        ("pd_second_token_s", "asyncpp:pd_second_token_seconds", "Prefill engine's token -> decode engine's first."),
+    )
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        if not self.stats.get("kv_connector") and "pd_num_handovers" not in self.stats:
+            return
+        for key, name, doc in self._COUNTERS:
+            if self.stats.get(key) is not None:
+                family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], self.stats[key])
+                yield family
+        for prefix, name, doc in self._QUANTILES:
+            values = {q: self.stats.get(f"{prefix}_{suffix}") for q, suffix in (("0.5", "p50"), ("0.99", "p99"))}
+            if any(v is not None for v in values.values()):
+                family = GaugeMetricFamily(name, doc, labels=["model_name", "quantile"])
+                for quantile, value in values.items():
+                    if value is not None:
+                        family.add_metric([self.model_name, quantile], value)
+                yield family
 
 
 class RequestTimes:

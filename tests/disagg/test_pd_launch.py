@@ -81,6 +81,9 @@ async def test_deployment_serves_like_one_engine_then_survives_a_dead_decode_eng
                 assert (await http.get("/health")).status_code == 200
                 metrics = (await http.get("/metrics")).text
                 assert 'vllm:num_requests_running{model_name="tiny"} 0.0' in metrics, metrics
+                # The transfer counters: the decode engine's connector totals, the router's handovers.
+                assert 'asyncpp:kv_blocks_loaded_total{model_name="tiny"}' in metrics, metrics
+                assert f'asyncpp:pd_handovers_total{{model_name="tiny"}} {len(prompts) + 1}.0' in metrics, metrics
 
             # A decode engine killed mid-request: the request fails at once, the router stays up.
             long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
