@@ -27,13 +27,8 @@ from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_ove
 from asyncpp.device import check_devices, is_cuda
 from asyncpp.disagg.config import is_disagg_config
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
-from asyncpp.engine.engine import (
-    EngineCapacity,
-    EngineCore,
-    kv_connector_context,
-    resolve_capacity,
-    set_stage_handshakes,
-)
+from asyncpp.engine.engine import EngineCore
+from asyncpp.engine.startup import EngineCapacity, kv_connector_context, resolve_capacity, set_stage_handshakes
 from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector

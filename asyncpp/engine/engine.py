@@ -16,17 +16,22 @@ import itertools
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncpp.config import ConfigError, EngineConfig, SpeculativeConfig
+from asyncpp.config import EngineConfig
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.scheduler import Scheduler
 from asyncpp.device import check_devices
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats, resolve_compute_plan
+from asyncpp.engine.startup import (
+    EngineCapacity,
+    draft_policy,
+    kv_connector_context,
+    resolve_capacity,
+    set_stage_handshakes,
+)
 from asyncpp.engine.executor import InProcessExecutor
 from asyncpp.engine.input_processor import InputProcessor, Prompt
 from asyncpp.engine.layer_balance import LayerBalancer
@@ -35,123 +40,26 @@ from asyncpp.engine.outputs import Completion, RequestOutput
 from asyncpp.errors import InvalidRequestError
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv.block_manager import BlockManager
-from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler
-from asyncpp.kv_transfer.handshake import KVHandshakeMetadata, aggregate_handshakes
+from asyncpp.kv_transfer.base import KVConnectorScheduler
+from asyncpp.kv_transfer.handshake import aggregate_handshakes
 from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
-from asyncpp.samples import RecentSamples
-from asyncpp.kv_transfer.registry import (
-    connector_context,
-    create_scheduler_connector,
-    create_worker_connector,
-)
+from asyncpp.kv_transfer.registry import create_scheduler_connector, create_worker_connector
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
-from asyncpp.model.split import (
-    compute_layer_ranges,
-    head_cost_in_layers,
-    held_ranges,
-    shift_windows,
-)
+from asyncpp.samples import RecentSamples
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.speculative.policy import DraftPolicy
-from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
 from asyncpp.worker.outputs import ModelRunnerOutput
-from asyncpp.worker.shared_kv import SharedKVSpec, allocate_shared_kv, shared_kv_specs
+from asyncpp.worker.shared_kv import allocate_shared_kv
 from asyncpp.worker.stage import (
     build_model_slice,
     build_runner,
     step_graph_sizes,
-    stage_num_blocks,
     torch_dtype,
 )
 
 _RUN_IDS = itertools.count()
-
-
-@dataclass(frozen=True)
-class EngineCapacity:
-    """Values found at start-up, kept apart from the frozen config."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    layer_ranges: list[tuple[int, int]]  # the static split
-    # Per stage boundary, the (lowest, highest) start of the later stage (`parallel.shift_layers`).
-    shift_windows: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-    @property
-    def held_ranges(self) -> list[tuple[int, int]]:
-        """The layers each stage loads: its own, plus the windows around it."""
-        return held_ranges(self.layer_ranges, self.shift_windows) if self.shift_windows else self.layer_ranges
-
-    @property
-    def is_shifting(self) -> bool:
-        return any(hi > lo for lo, hi in self.shift_windows)
-
-    def shared_kv_specs(self, arch: ModelArch, dtype: str, names: list[str]) -> list[SharedKVSpec]:
-        """The shared KV caches of the shift windows (one name per window), sized for `num_blocks`."""
-        num_slots = self.num_blocks * self.block_size
-        return shared_kv_specs(self.shift_windows, names, num_slots, arch.num_kv_heads, arch.head_dim, dtype)
-
-
-def resolve_capacity(config: EngineConfig, arch: ModelArch, dtype: str) -> EngineCapacity:
-    """Layer ranges and KV blocks per stage; `dtype`: the resolved one (`ComputePlan.dtype`), never "auto"."""
-    if config.model.max_model_len > arch.max_position_embeddings:
-        raise ValueError(
-            f"model.max_model_len {config.model.max_model_len} exceeds the model's "
-            f"max_position_embeddings {arch.max_position_embeddings}"
-        )
-    ranges = compute_layer_ranges(
-        arch.num_layers, config.parallel.pp_size, config.parallel.layer_split, head_cost_in_layers(arch)
-    )
-    windows = shift_windows(ranges, config.shift_layers) if config.shift_layers else []
-    kv_dtype = torch_dtype(dtype)
-    capacity = EngineCapacity(0, config.cache.block_size, config.model.max_model_len, ranges, windows)
-    num_blocks = config.cache.num_kv_blocks_override or min(
-        stage_num_blocks(arch, end - start, config.cache.kv_cache_memory_mb, config.cache.block_size, kv_dtype)
-        for start, end in capacity.held_ranges  # shared layers count on both sides: the budget holds
-    )
-    return dataclasses.replace(capacity, num_blocks=num_blocks)
-
-
-def kv_connector_context(
-    config: EngineConfig, arch: ModelArch, layer_ranges, run_id: str, dtype: str
-) -> ConnectorContext | None:
-    """The KV connector's plain values (None without one); fails naming the key on a bad connector name.
-    `dtype`: the KV cache's, resolved (`ComputePlan.dtype`)."""
-    model_id = f"{config.model.source}:{Path(config.model.path).resolve() if config.model.path else 'default'}"
-    return connector_context(
-        config.kv_transfer,
-        layer_ranges=layer_ranges,
-        block_size=config.cache.block_size,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        dtype=dtype,
-        model_id=model_id,
-        run_id=run_id,
-    )
-
-
-def draft_policy(config: SpeculativeConfig) -> DraftPolicy | None:
-    """Speculative decoding's policy for the scheduler; None when it is off. An unknown proposer
-    name fails here, naming `speculative.method`."""
-    if not config.is_enabled:
-        return None
-    create_proposer(config)
-    return DraftPolicy(config.num_speculative_tokens, config.adaptive)
-
-
-def set_stage_handshakes(
-    connector: KVConnectorScheduler, handshakes: dict[tuple[int, int], KVHandshakeMetadata]
-) -> None:
-    """Hand every stage's handshake to the scheduler connector, before any request. Its refusal
-    (a connector unaware of pipeline stages, run with several) fails start-up naming the key."""
-    try:
-        connector.set_xfer_handshake_metadata_pp_aware(handshakes)
-    except ValueError as e:
-        raise ConfigError(f"kv_transfer.connector: {e}") from e
 
 
 class EngineCore:
