@@ -21,9 +21,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 PY=python3
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
-  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+record_machine
 
 $PY -m asyncpp.weights.export_random smollm2-135m /tmp/smollm2-shape > /dev/null
 

@@ -7,3 +7,14 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONUNBUFFERED=1
+
+# The GPU, the host CPU, torch and Triton: printed, and kept in $OUT/machine.txt.
+record_machine() {
+  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
+    python3 -c 'import torch; print("torch", torch.__version__)
+try:
+    import triton; print("triton", triton.__version__)
+except ImportError:
+    print("triton: none")'; } > "$OUT/machine.txt" 2>&1
+  cat "$OUT/machine.txt"
+}

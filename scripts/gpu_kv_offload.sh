@@ -8,9 +8,7 @@
 #   run: bash scripts/gpu_kv_offload.sh       # there, with carry [".whl"] and timeout_s 420
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
-  python3 -c 'import torch; print("torch", torch.__version__)'; } > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+record_machine
 
 echo "== KV offload CUDA tests"
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -ra -m cuda -p no:cacheprovider \

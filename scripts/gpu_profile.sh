@@ -15,9 +15,7 @@
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 PY=python3
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -m1 'Model name';
-  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'; } > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+record_machine
 
 echo "== plain decode loop (ms per step)"
 timeout 90 $PY scripts/plain_decode_loop.py > "$OUT/plain_loop.txt" 2>&1; tail -1 "$OUT/plain_loop.txt"
