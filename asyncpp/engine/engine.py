@@ -142,12 +142,11 @@ class EngineCore:
             output_token_ids=list(output_token_ids),
             kv_transfer_params=kv_transfer_params,
         )
-        if output_token_ids and self.output_processor.continues_at_stop(request):
-            raise InvalidRequestError(
-                "kv_transfer_params", "the remote engine's tokens already end at one of this request's stop strings"
-            )
+        try:
+            self.output_processor.add_request(request)
+        except ValueError as e:
+            raise InvalidRequestError("kv_transfer_params", str(e)) from e
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
         self.log.info("request_received", request_id=request_id, num_prompt_tokens=len(prompt_token_ids))
         return request_id
 

@@ -30,24 +30,18 @@ class OutputProcessor:
 
     def add_request(self, request: Request) -> None:
         """Track a request; output tokens it starts with (a remote engine streamed them) are fed to its
-        detokenizer but never emitted, so its deltas go on exactly where that engine stopped."""
-        detok = self._detokenizer(request)
-        if request.output_token_ids:
-            detok.add_tokens(request.output_token_ids)
-        self._tracked[request.request_id] = _Tracked(request, detok)
-
-    def continues_at_stop(self, request: Request) -> bool:
-        """The output tokens the request starts with already complete one of its stop strings."""
-        return self._detokenizer(request).add_tokens_until_stop(request.output_token_ids)[0].stop_string is not None
-
-    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        detokenizer but never emitted, so its deltas go on exactly where that engine stopped.
+        `ValueError` (nothing tracked) if those tokens already complete one of its stop strings."""
         params = request.sampling_params
-        return IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             self.tokenizer,
             request.prompt_token_ids,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
+        if request.output_token_ids and detok.add_tokens(request.output_token_ids).stop_string is not None:
+            raise ValueError("the remote engine's tokens already end at one of this request's stop strings")
+        self._tracked[request.request_id] = _Tracked(request, detok)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked

@@ -45,7 +45,7 @@ from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
-from asyncpp.step_phases import StepPhases, step_phases
+from asyncpp.step_phases import step_phases
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import PullQueue, PushQueue
@@ -359,7 +359,7 @@ class Stage:
             self.last_tokens_step_id = msg.step_id
 
     def close(self) -> None:
-        if isinstance(self.phases, StepPhases) and self.phases.num_steps:
+        if self.phases.num_steps:  # ASYNCPP_STEP_PHASES=1
             self.log.info("step_phases", **self.phases.summary())
         if self.runner is not None:
             if self.runner.graphs is not None:  # how often each graph size served a step
