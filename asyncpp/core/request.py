@@ -72,6 +72,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # From the client, for the KV connector (prefill/decode disaggregation: where the prompt's KV is).
     kv_transfer_params: dict[str, Any] | None = None
+    # Its first output token comes from a remote engine that is still computing the prompt (the KV
+    # connector loads the prompt's KV meanwhile): nothing of it is computed before that token.
+    awaits_remote_tokens: bool = False
     # From the KV connector once finished (`request_finished`): what a remote engine needs to pull
     # its KV; goes out with the request's last delta.
     finished_kv_transfer_params: dict[str, Any] | None = None

@@ -206,6 +206,10 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
             )
         self._requests[request.request_id] = request
         self._queues.add(request)
+        if request.awaits_remote_tokens:
+            if self.connector is None:
+                raise ValueError(f"request {request.request_id!r} awaits remote tokens, and there is no KV connector")
+            self._await_remote_tokens(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, stop string) the given requests; unknown or finished ids are skipped."""
@@ -451,6 +455,8 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
                 hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
                 if self.connector is not None:
                     is_loading = self._start_load(request, token_ids, hit_block_ids, num_hit_tokens)
+                    if is_loading is False and request.awaits_remote_tokens:
+                        is_loading = None  # never computed before its remote first token: wait
                     if is_loading is None:  # its prefix is on its way for another request: it keeps
                         num_skipped += 1  # its place and is asked again next step; the rest go on
                         continue

@@ -22,6 +22,12 @@ writes are not trusted. A connector that keeps answering "ask again later"
 for a request is not asked again past `load_timeout_s` (its prefix is
 computed), and never holds up the requests behind it. Once nothing is
 pending, `has_pending_transfers` is False and the engine stops polling.
+
+A request that awaits its first token from a remote engine
+(`Request.awaits_remote_tokens`, early prefill/decode handover) may load its
+whole prompt; once loaded it is parked until the token comes
+(`add_remote_tokens`), and it is never computed without it. A token that
+does not come within `load_timeout_s` of the request's arrival fails it.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ class KVTransferScheduling:
         # carrying the load, the blocks it fills), until that plan's output is back.
         self._sync_loads: dict[str, tuple[int, list[int]]] = {}
         self._failed_requests: list[tuple[str, str]] = []  # (request, why) for the engine to fail
+        self._parked: dict[str, Request] = {}  # loaded, awaiting their remote first token
+        self._token_deadlines: dict[str, float] = {}  # awaiting a remote first token, until then
         self._recompute_ids: set[str] = set()  # read KV a load within a plan failed to bring
         self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
         self.num_failed_load_tokens = 0  # promised by the connector, failed to load, recomputed
@@ -106,6 +114,7 @@ class KVTransferScheduling:
         return bool(
             self._waiting_for_remote
             or self._held
+            or self._token_deadlines
             or self._unsent_aborted
             or (self.connector is not None and self.connector.has_unsent_metadata())
         )
@@ -147,10 +156,13 @@ class KVTransferScheduling:
             return False
         num_loaded_to = num_hit_tokens + num_external
         is_whole = num_external % self._block_manager.block_size == 0 or num_loaded_to == request.num_prompt_tokens
-        if num_loaded_to >= len(token_ids) or not is_whole:
+        # One that awaits its remote first token may load all it has: that token is computed next.
+        num_left = len(token_ids) - num_loaded_to + (1 if request.awaits_remote_tokens else 0)
+        if num_left < 1 or not is_whole or (request.awaits_remote_tokens and not load_async):
             raise ValueError(
                 f"KV connector offered {num_external} tokens after {num_hit_tokens} of {len(token_ids)}: "
-                "it must offer whole blocks (or end at the prompt's end) and leave at least one token to compute"
+                "it must offer whole blocks (or end at the prompt's end) and leave at least one token to compute "
+                "(a request awaiting its remote first token loads asynchronously)"
             )
         block_ids = self._block_manager.allocate_for_load(
             request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
@@ -274,8 +286,14 @@ class KVTransferScheduling:
         return metadata
 
     def _expire_transfers(self) -> None:
-        """Abort the transfers past their deadline: the plan being built tells every stage."""
+        """Abort the transfers past their deadline: the plan being built tells every stage. Requests
+        whose remote first token is past its deadline fail."""
         now = self._clock()
+        for request_id in [r for r, deadline in self._token_deadlines.items() if now >= deadline]:
+            del self._token_deadlines[request_id]
+            timeout_s = self.connector.ctx.load_timeout_s
+            self.log.warning("remote_first_token_timed_out", request_id=request_id, timeout_s=timeout_s)
+            self._failed_requests.append((request_id, f"the remote prefill's first token did not come within {timeout_s} s"))
         for kind, deadlines in (("load", self._load_deadlines), ("send", self._send_deadlines)):
             for request_id in [r for r, deadline in deadlines.items() if now >= deadline]:
                 del deadlines[request_id]
@@ -325,8 +343,30 @@ class KVTransferScheduling:
         if num_loaded < len(load_block_ids):
             request.num_external_tokens = num_loaded_tokens  # the rest is recomputed
         request.num_computed_tokens += num_loaded_tokens
+        if request.awaits_remote_tokens:
+            self._parked[request_id] = request  # computed once its first token is here
+            return
         request.status = RequestStatus.WAITING
         self._queues.requeue(request)
+
+    def _await_remote_tokens(self, request: Request) -> None:
+        """A new request that awaits its first token from a remote engine."""
+        self._token_deadlines[request.request_id] = self._clock() + self.connector.ctx.load_timeout_s
+
+    def add_remote_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """The first tokens of a request that awaited them (`ValueError` if it does not): computed from
+        now on, once its KV is loaded."""
+        request = self._requests.get(request_id)  # type: ignore[attr-defined]
+        if request is None or request.is_finished:
+            raise ValueError(f"request {request_id!r} is not running here")
+        if not request.awaits_remote_tokens:
+            raise ValueError(f"request {request_id!r} awaits no remote tokens")
+        request.output_token_ids.extend(token_ids)
+        request.awaits_remote_tokens = False
+        self._token_deadlines.pop(request_id, None)
+        if self._parked.pop(request_id, None) is not None:
+            request.status = RequestStatus.WAITING
+            self._queues.requeue(request)
 
     def _release_blocks(self, request: Request) -> None:
         """A finished request's blocks go once no transfer holds them; it is forgotten once nothing does."""
@@ -337,6 +377,8 @@ class KVTransferScheduling:
             self._forget(request)  # type: ignore[attr-defined]
 
     def _forget_transfers(self, request_id: str) -> None:
+        self._parked.pop(request_id, None)
+        self._token_deadlines.pop(request_id, None)
         self._asked_again_since.pop(request_id, None)
         self._sync_loads.pop(request_id, None)
         self._recompute_ids.discard(request_id)

@@ -39,9 +39,14 @@ class OutputProcessor:
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,
         )
-        if request.output_token_ids and detok.add_tokens(request.output_token_ids).stop_string is not None:
-            raise ValueError("the remote engine's tokens already end at one of this request's stop strings")
+        _prime(detok, request.output_token_ids)
         self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def add_remote_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Tokens a remote engine streamed for a tracked request that awaited them: fed to its
+        detokenizer, never emitted. `ValueError` if they end at a stop string (the request must
+        then fail: it has streamed nothing of its own)."""
+        _prime(self._tracked[request_id].detokenizer, token_ids)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
@@ -101,3 +106,8 @@ class OutputProcessor:
             num_prompt_tokens=tracked.request.num_prompt_tokens,
             error=error,
         )
+
+
+def _prime(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> None:
+    if token_ids and detokenizer.add_tokens(token_ids).stop_string is not None:
+        raise ValueError("the remote engine's tokens already end at one of this request's stop strings")

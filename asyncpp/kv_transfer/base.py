@@ -155,6 +155,18 @@ class KVConnectorScheduler(ABC):
         to its client: the request starts with them, and its deltas begin after them."""
         return []
 
+    def awaits_remote_prefill(self, params: dict[str, Any]) -> bool:
+        """Valid `params` of a request admitted before a remote engine has computed its prompt: it
+        starts with no tokens, its KV is loaded meanwhile, and its first tokens come later
+        (`accept_remote_prefill`)."""
+        return False
+
+    def accept_remote_prefill(self, request: Request, params: dict[str, Any]) -> list[int]:
+        """The remote engine's params for a request that `awaits_remote_prefill`, once its prompt is
+        computed there: checked like a new request's (`ValueError` / `TypeError` saying what is
+        wrong), they give the output tokens it generated and streamed already."""
+        raise ValueError(f"KV connector {self.ctx.name!r} awaits no remote prefill")
+
     def engine_handshake(self) -> EngineHandshake | None:
         """What a remote engine needs to move KV with this one (None: nothing to move)."""
         return None

@@ -38,6 +38,11 @@ class BlockTransfer:
     # When the KV was ready at its source (time.time() there; the producer's first token): the
     # stage reports how long it took from then until it had the blocks (`handover_s`).
     remote_ready_at: float = 0.0
+    # A pull awaited before its KV exists (early handover): read once the producer's stages say the
+    # prompt's `num_tokens` tokens are computed, their block ids from `remote_first_block` on.
+    on_ready: bool = False
+    num_tokens: int = 0
+    remote_first_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,15 @@ class KVConnectorMetadata:
     aborted_req_ids: list[str] = field(default_factory=list)
     # Remote engines every stage must be able to reach from this plan on (their handshakes).
     remote_engines: list[EngineHandshake] = field(default_factory=list)
+    # Requests this plan computes for the first time after a remote prefill whose KV was loaded
+    # before: when their first token was sampled there (for the stages' `handover_s`).
+    handover_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids
-            or self.remote_engines
+            or self.remote_engines or self.handover_at
         )  # fmt: skip
 
 

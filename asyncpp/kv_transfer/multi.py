@@ -113,6 +113,16 @@ class MultiScheduler(KVConnectorScheduler):
         """The first child's that names any (the one that took the params)."""
         return next((ids for child in self.children if (ids := child.remote_output_token_ids(params))), [])
 
+    def awaits_remote_prefill(self, params: dict[str, Any]) -> bool:
+        return any(child.awaits_remote_prefill(params) for child in self.children)
+
+    def accept_remote_prefill(self, request: Request, params: dict[str, Any]) -> list[int]:
+        """The child's that awaits it."""
+        for child in self.children:
+            if request.kv_transfer_params is not None and child.awaits_remote_prefill(request.kv_transfer_params):
+                return child.accept_remote_prefill(request, params)
+        raise ValueError("no KV connector awaits a remote prefill for this request")
+
     def engine_handshake(self) -> EngineHandshake | None:
         handshakes = [h for child in self.children if (h := child.engine_handshake()) is not None]
         return handshakes[0] if handshakes else None

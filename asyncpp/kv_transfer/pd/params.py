@@ -14,6 +14,17 @@ does not know, whose signature does not match (forged block ids, counts,
 tokens), whose blocks do not cover exactly its prompt, or whose tokens are not
 its prompt's: a bad request fails alone with a clear error and the producer's
 blocks are only ever read as handed out.
+
+Early handover (what the router does): the decode engine is given the request
+when the prefill engine is, with `AwaitedPrefill` params (the producer's
+engine id and request id, unsigned), and the producer with
+`{"do_remote_decode": true, "decode_engine_id": ...}`. The consumer admits
+the request at once and allocates its prompt's blocks; each producer stage,
+right after the forward that completes the prompt's KV in its layers, tells
+the consumer's stages that read them where the blocks are (`ReadyNotice`),
+and they read them while the first token travels. The signed `RemotePrefill`
+follows as the request's first token (`RemotePrefillDone`), checked like the
+params of a late request: nothing is computed or streamed before it passed.
 """
 
 from __future__ import annotations
@@ -25,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 DO_REMOTE_DECODE = "do_remote_decode"
+DECODE_ENGINE_ID = "decode_engine_id"  # producer: whose stages to tell once the prompt's KV is computed
+DO_REMOTE_PREFILL = "do_remote_prefill"
 _FIELDS = (
     "remote_engine_id", "remote_request_id", "remote_block_ids", "num_tokens", "tokens_sha256",
     "first_token_id", "first_token_at",
@@ -94,6 +107,69 @@ class RemotePrefill:
             raise ValueError(f"kv_transfer_params: block ids outside engine {self.remote_engine_id!r}'s cache")
         if tokens_digest(prompt_token_ids) != self.tokens_sha256:
             raise ValueError("kv_transfer_params were made for another prompt (its tokens differ)")
+
+
+@dataclass(frozen=True)
+class AwaitedPrefill:
+    """Consumer params of a request admitted before its prompt's KV exists: the producer request
+    that computes it (`{"do_remote_prefill": true, "remote_engine_id": ..., "remote_request_id": ...}`)."""
+
+    remote_engine_id: str
+    remote_request_id: str
+
+    def params(self) -> dict[str, Any]:
+        return {DO_REMOTE_PREFILL: True, "remote_engine_id": self.remote_engine_id, "remote_request_id": self.remote_request_id}
+
+    @staticmethod
+    def is_awaited(params: Any) -> bool:
+        return isinstance(params, dict) and DO_REMOTE_PREFILL in params
+
+    @staticmethod
+    def parse(params: Any) -> "AwaitedPrefill":
+        if not isinstance(params, dict):
+            raise TypeError(f"kv_transfer_params must be a map, got {type(params).__name__}")
+        expected = {DO_REMOTE_PREFILL, "remote_engine_id", "remote_request_id"}
+        if set(params) != expected or params[DO_REMOTE_PREFILL] is not True:
+            raise ValueError(f"kv_transfer_params of an awaited prefill take exactly {sorted(expected)} ({DO_REMOTE_PREFILL} true)")
+        for name in ("remote_engine_id", "remote_request_id"):
+            if not isinstance(params[name], str) or not params[name]:
+                raise TypeError(f"kv_transfer_params.{name} must be a non-empty string")
+        return AwaitedPrefill(params["remote_engine_id"], params["remote_request_id"])
+
+    def check_done(self, done: RemotePrefill) -> None:
+        """The producer's params for the request this one awaits (`ValueError` otherwise)."""
+        if (done.remote_engine_id, done.remote_request_id) != (self.remote_engine_id, self.remote_request_id):
+            raise ValueError(
+                f"kv_transfer_params are engine {done.remote_engine_id!r}'s request {done.remote_request_id!r}; "
+                f"this request awaits engine {self.remote_engine_id!r}'s request {self.remote_request_id!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ReadyNotice:
+    """A producer stage's word to a consumer stage: the prompt's KV of its layers is in these blocks."""
+
+    engine_id: str  # the producer's (no "|" in it)
+    request_id: str  # the producer's request
+    pp_rank: int  # the producer stage's
+    num_tokens: int  # of the prompt, all computed
+    block_ids: list[int]
+
+    def encode(self) -> bytes:
+        blocks = ",".join(map(str, self.block_ids))
+        return f"ready|{self.engine_id}|{self.request_id}|{self.pp_rank}|{self.num_tokens}|{blocks}".encode()
+
+    @staticmethod
+    def decode(msg: bytes) -> "ReadyNotice | None":
+        """None if `msg` is not a ready notice (the request id may hold "|")."""
+        try:
+            head, engine_id, rest = msg.decode().split("|", 2)
+            if head != "ready":
+                return None
+            request_id, pp_rank, num_tokens, block_ids = rest.rsplit("|", 3)
+            return ReadyNotice(engine_id, request_id, int(pp_rank), int(num_tokens), [int(b) for b in block_ids.split(",") if b])
+        except ValueError:
+            return None
 
 
 def _sign(params: dict[str, Any], key: bytes) -> str:

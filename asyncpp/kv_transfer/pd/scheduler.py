@@ -23,6 +23,14 @@ computes that first token's KV and samples the next (or, with `pull =
 request whose blocks it does not pull (its own cache had them, it was aborted
 first) still tells the producer, so that no block waits for its timeout.
 
+Early handover (`AwaitedPrefill` params, what the router sends): the
+consumer admits the request while the producer computes its prompt, with
+its prompt's blocks allocated and one pull per stage awaiting the producer
+stages' word (`on_ready`); the request stays parked once loaded, until its
+signed params come (`accept_remote_prefill`). A producer request asked for
+with `decode_engine_id` has every stage tell that engine's stages where its
+prompt's KV is, right after the forward that completed it (a save).
+
 Both: every stage's handshake (`set_xfer_handshake_metadata_pp_aware`, any
 pp_size) makes this engine's `EngineHandshake`; a remote engine's handshake
 (`add_remote_engine`) is checked against the model's layers and block
@@ -40,7 +48,13 @@ from asyncpp.core.request import RequestStatus
 from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorScheduler, PlanInfo
 from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata
 from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVConnectorOutput
-from asyncpp.kv_transfer.pd.params import DO_REMOTE_DECODE, RemotePrefill, tokens_digest
+from asyncpp.kv_transfer.pd.params import (
+    DECODE_ENGINE_ID,
+    DO_REMOTE_DECODE,
+    AwaitedPrefill,
+    RemotePrefill,
+    tokens_digest,
+)
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 
@@ -72,6 +86,7 @@ class PDScheduler(KVConnectorScheduler):
         self._unsent_remote: list[EngineHandshake] = []
         self._unsent_transfers: list[BlockTransfer] = []  # consumer: pulls, and releases without a pull
         self._resolved: set[str] = set()  # consumer: unfinished requests with params, pulled or released
+        self._first_token_at: dict[str, float] = {}  # consumer: awaited requests whose params came
         self.num_handed_out = 0  # producer: params handed out
         self.num_pulls = 0  # consumer: requests pulled
         self.num_pulled_tokens = 0
@@ -112,10 +127,24 @@ class PDScheduler(KVConnectorScheduler):
     # ---- requests --------------------------------------------------------------------------
     def validate_kv_transfer_params(self, params: dict[str, Any], prompt_token_ids: list[int]) -> None:
         if self.role == "producer":
-            if params != {DO_REMOTE_DECODE: True}:
-                raise ValueError(f'a producer takes kv_transfer_params {{"{DO_REMOTE_DECODE}": true}} only, got {params!r}')
+            if _is_producer_params(params):
+                decode_engine_id = params.get(DECODE_ENGINE_ID)
+                if decode_engine_id is not None and decode_engine_id not in self._remote:
+                    raise ValueError(f"kv_transfer_params.{DECODE_ENGINE_ID}: engine {decode_engine_id!r} is not known here")
+                return
+            raise ValueError(
+                f'a producer takes kv_transfer_params {{"{DO_REMOTE_DECODE}": true}} and an optional '
+                f'"{DECODE_ENGINE_ID}" only, got {params!r}'
+            )
+        if AwaitedPrefill.is_awaited(params):
+            awaited = AwaitedPrefill.parse(params)
+            if awaited.remote_engine_id not in self._remote:
+                raise ValueError(f"kv_transfer_params name engine {awaited.remote_engine_id!r}, which this engine does not know")
             return
         prefill = RemotePrefill.parse(params)
+        self._check(prefill, params, prompt_token_ids)
+
+    def _check(self, prefill: RemotePrefill, params: dict[str, Any], prompt_token_ids: list[int]) -> None:
         remote = self._remote.get(prefill.remote_engine_id)
         if remote is None:
             raise ValueError(f"kv_transfer_params name engine {prefill.remote_engine_id!r}, which this engine does not know")
@@ -123,22 +152,39 @@ class PDScheduler(KVConnectorScheduler):
         prefill.check(params["sig"], remote.params_key, self.ctx.block_size, prompt_token_ids, num_remote_blocks)
 
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
-        if self.role != "consumer":
+        if self.role != "consumer" or AwaitedPrefill.is_awaited(params):
             return []
         try:
             return [RemotePrefill.parse(params).first_token_id]
         except (TypeError, ValueError):  # a multi-connector's params for another child
             return []
 
-    def _remote_prefill(self, request: "Request") -> RemotePrefill | None:
+    def awaits_remote_prefill(self, params: dict[str, Any]) -> bool:
+        return self.role == "consumer" and AwaitedPrefill.is_awaited(params)
+
+    def accept_remote_prefill(self, request: "Request", params: dict[str, Any]) -> list[int]:
+        if not self.awaits_remote_prefill(request.kv_transfer_params or {}):
+            raise ValueError(f"request {request.request_id!r} awaits no remote prefill")
+        done = RemotePrefill.parse(params)
+        AwaitedPrefill.parse(request.kv_transfer_params).check_done(done)
+        self._check(done, params, request.prompt_token_ids)
+        self._first_token_at[request.request_id] = done.first_token_at
+        return [done.first_token_id]
+
+    def _remote_prefill(self, request: "Request") -> RemotePrefill | AwaitedPrefill | None:
         if self.role != "consumer" or request.kv_transfer_params is None:
             return None
+        if AwaitedPrefill.is_awaited(request.kv_transfer_params):
+            return AwaitedPrefill.parse(request.kv_transfer_params)
         return RemotePrefill.parse(request.kv_transfer_params)  # checked at add_request
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         prefill = self._remote_prefill(request)
         if prefill is None or request.num_preemptions:  # preempted: its pulled blocks are gone, compute
             return 0, False
+        if isinstance(prefill, AwaitedPrefill):  # the whole prompt, as soon as the producer has it
+            num_tokens = request.num_prompt_tokens - num_computed_tokens
+            return (num_tokens, True) if num_tokens > 0 else (0, False)
         num_tokens = prefill.num_tokens - num_computed_tokens  # the last block may be partly filled
         return (num_tokens, self.is_pull_async) if num_tokens > 0 else (0, False)
 
@@ -149,6 +195,18 @@ class PDScheduler(KVConnectorScheduler):
         block_size = self.ctx.block_size
         first = request.num_computed_tokens // block_size
         num_blocks = -(-(request.num_computed_tokens + num_external_tokens) // block_size) - first
+        if isinstance(prefill, AwaitedPrefill):  # read once the producer's stages say where
+            self._unsent_transfers.append(
+                BlockTransfer(
+                    request.request_id, block_ids[first : first + num_blocks], [],
+                    remote_engine_id=prefill.remote_engine_id, remote_request_id=prefill.remote_request_id,
+                    on_ready=True, num_tokens=request.num_prompt_tokens, remote_first_block=first,
+                )  # fmt: skip
+            )
+            self._resolved.add(request.request_id)
+            self.num_pulls += 1
+            self.num_pulled_tokens += num_external_tokens
+            return
         self._unsent_transfers.append(
             BlockTransfer(
                 request.request_id,
@@ -180,13 +238,28 @@ class PDScheduler(KVConnectorScheduler):
         self.num_released_unpulled += 1
 
     def build_connector_meta(self, plan: PlanInfo) -> KVConnectorMetadata:
-        if self.role == "consumer":
-            for request, _, _ in plan.scheduled:
+        handover_at: dict[str, float] = {}
+        ready: list[BlockTransfer] = []
+        for request, start, num_tokens in plan.scheduled:
+            if self.role == "consumer":
                 # Scheduled without a pull (its own prefix cache had the blocks): release them.
                 self._release_unpulled(request)
+                if (at := self._first_token_at.pop(request.request_id, None)) is not None:
+                    handover_at[request.request_id] = at  # its first step after an early handover
+            elif start < request.num_prompt_tokens <= start + num_tokens and _is_producer_params(request.kv_transfer_params):
+                decode_engine_id = request.kv_transfer_params.get(DECODE_ENGINE_ID)
+                if decode_engine_id is not None:  # this plan completes its prompt: tell the decode stages
+                    num_blocks = -(-request.num_prompt_tokens // self.ctx.block_size)
+                    ready.append(
+                        BlockTransfer(
+                            request.request_id, list(plan.block_ids[request.request_id][:num_blocks]), [],
+                            remote_engine_id=decode_engine_id, remote_request_id=request.request_id,
+                            num_tokens=request.num_prompt_tokens,
+                        )  # fmt: skip
+                    )
         transfers, self._unsent_transfers = self._unsent_transfers, []
         remote, self._unsent_remote = self._unsent_remote, []
-        return KVConnectorMetadata(loads=transfers, remote_engines=remote)
+        return KVConnectorMetadata(loads=transfers, saves=ready, remote_engines=remote, handover_at=handover_at)
 
     def has_unsent_metadata(self) -> bool:
         return bool(self._unsent_transfers or self._unsent_remote)
@@ -198,8 +271,9 @@ class PDScheduler(KVConnectorScheduler):
         if self.role == "consumer":
             self._release_unpulled(request)  # if it finished before it was ever scheduled
             self._resolved.discard(request.request_id)
+            self._first_token_at.pop(request.request_id, None)
             return False, None
-        if request.kv_transfer_params != {DO_REMOTE_DECODE: True}:
+        if not _is_producer_params(request.kv_transfer_params):
             return False, None
         if request.status is not RequestStatus.FINISHED_LENGTH or request.num_output_tokens != 1:
             return False, None  # stopped (the client's request is over there), aborted or failed
@@ -228,3 +302,12 @@ class PDScheduler(KVConnectorScheduler):
             "pd_num_pulled_tokens": self.num_pulled_tokens,
             "pd_num_released_unpulled": self.num_released_unpulled,
         }
+
+
+def _is_producer_params(params: Any) -> bool:
+    return (
+        isinstance(params, dict)
+        and params.get(DO_REMOTE_DECODE) is True
+        and set(params) <= {DO_REMOTE_DECODE, DECODE_ENGINE_ID}
+        and isinstance(params.get(DECODE_ENGINE_ID, ""), str)
+    )

@@ -18,6 +18,14 @@ handover (`KVTransferStats.handover_s`): from the producer's first token
 within a plan is the start of the forward that uses them. A release (nothing to pull) sends the
 notifications alone.
 
+Early handover: a pull bound `on_ready` starts no read until the producer
+stages send a ready notice (`params.ReadyNotice`: the prompt's blocks
+there), each from `save_kv` right after the forward that completed the
+prompt's KV in its layers (on CUDA once that forward is done); each notice
+starts that producer stage's read at once. Notices may arrive before the
+pull is bound: they wait up to `pull_timeout_s`, then the producer is told
+nobody reads (as for a pull that ended before its notice came).
+
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
 once as many consumer stages as read this stage's layers have notified it
 (the count travels in the notification, so producers need not know the
@@ -36,6 +44,7 @@ from asyncpp.kv_transfer.base import ConnectorContext, KVConnectorWorker
 from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, KVRegion
 from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
 from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
+from asyncpp.kv_transfer.pd.params import ReadyNotice
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 
@@ -46,6 +55,7 @@ class _Pull:
     handles: list = field(default_factory=list)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)  # (agent, message) per producer stage read
     nbytes: int = 0
+    awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not heard from yet
     started_at: float = field(default_factory=time.perf_counter)
     # A pull within a plan, once done (before its forward): when (time.time()), and how long it took.
     loaded_at: float | None = None
@@ -82,6 +92,13 @@ class PDWorker(KVConnectorWorker):
         self._held: set[str] = set()  # producer: held by the engine, not reported yet
         self._readers: dict[str, dict[int, int]] = {}  # producer: request -> consumer pp_rank -> readers
         self._first_notified_at: dict[str, float] = {}
+        # Consumer, early handover: remote request -> (local request, its pull awaiting notices);
+        # notices no pull awaits yet (remote request -> [(pp_rank, tokens, blocks)], first seen);
+        # remote requests whose pull ended before every notice came (until pull_timeout_s).
+        self._awaiting: dict[str, str] = {}
+        self._early_notices: dict[str, list[ReadyNotice]] = {}
+        self._early_since: dict[str, float] = {}
+        self._dropped: dict[str, float] = {}
         self._stats = KVTransferStats()
         self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
 
@@ -146,7 +163,14 @@ class PDWorker(KVConnectorWorker):
             self._held.update(metadata.held_req_ids)
 
     def start_load_kv(self, step_id: int) -> None:
+        if self.metadata.handover_at:  # these requests' first forward after an early handover starts now
+            now = time.time()
+            handover_s = {request_id: now - at for request_id, at in self.metadata.handover_at.items()}
+            self._stats = self._stats + KVTransferStats(handover_s=handover_s)
         for transfer in self.metadata.loads:
+            if transfer.on_ready:
+                self._await_pull(transfer)
+                continue
             self._start_pull(transfer)
         for transfer in self.metadata.loads:
             if transfer.is_sync:
@@ -170,43 +194,136 @@ class PDWorker(KVConnectorWorker):
         pull = _Pull(transfer)
         self._pulls[transfer.request_id] = pull
         try:
-            engine_id = transfer.remote_engine_id
-            for remote_rank, (start, end) in self.topology.sources_for(engine_id, self.start_layer, self.end_layer):
-                info = self.topology.get_engine_info(engine_id, remote_rank)
-                agent = self._agents[(engine_id, remote_rank)]
-                readers = TransferTopology.readers_of(list(self.ctx.layer_ranges), info.start_layer, info.end_layer)
-                notif = notification(transfer.remote_request_id, self.pp_rank, readers)
-                runs = []
-                for layer in range(start, end):
-                    for kind in ("k", "v"):
-                        runs += block_runs(
-                            transfer.block_ids, transfer.remote_block_ids,
-                            self._bases[(layer, kind)], info.region(layer, kind).addr, self._block_nbytes,
-                        )  # fmt: skip
-                if runs:
-                    device = info.regions[0]
-                    pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
-                    pull.nbytes += sum(n for _, _, n in runs)
-                else:
-                    self.transport.send_notif(agent, notif)  # a release: nothing to read
-                pull.notifs.append((agent, notif))
+            for remote_rank, layers in self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer):
+                self._read(pull, remote_rank, layers, transfer.remote_block_ids)
         except Exception as e:  # noqa: BLE001 - a pull that cannot start fails alone (recomputed)
             self.log.warning("kv_pull_failed", request_id=transfer.request_id, error=repr(e))
             self._end_pull(transfer.request_id, failed=True)
 
+    def _read(self, pull: _Pull, remote_rank: int, layers: tuple[int, int], remote_block_ids: list[int]) -> None:
+        """One NIXL read of this stage's `layers` held by one producer stage (a notification alone
+        when there are no blocks); the producer stage is notified when it is over."""
+        transfer = pull.transfer
+        engine_id = transfer.remote_engine_id
+        info = self.topology.get_engine_info(engine_id, remote_rank)
+        agent = self._agents[(engine_id, remote_rank)]
+        notif = notification(transfer.remote_request_id, self.pp_rank, self._readers_of(info))
+        runs = []
+        for layer in range(*layers):
+            for kind in ("k", "v"):
+                runs += block_runs(
+                    transfer.block_ids, remote_block_ids,
+                    self._bases[(layer, kind)], info.region(layer, kind).addr, self._block_nbytes,
+                )  # fmt: skip
+        if runs:
+            device = info.regions[0]
+            pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
+            pull.nbytes += sum(n for _, _, n in runs)
+        else:
+            self.transport.send_notif(agent, notif)  # a release: nothing to read
+        pull.notifs.append((agent, notif))
+
+    def _readers_of(self, info) -> int:
+        return TransferTopology.readers_of(list(self.ctx.layer_ranges), info.start_layer, info.end_layer)
+
+    # ---- early handover (consumer) ---------------------------------------------------------
+    def _await_pull(self, transfer: BlockTransfer) -> None:
+        """A pull whose reads start as the producer stages' ready notices come."""
+        pull = _Pull(transfer)
+        self._pulls[transfer.request_id] = pull
+        try:
+            sources = self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer)
+        except Exception as e:  # noqa: BLE001 - the engine is gone meanwhile: fails alone
+            self.log.warning("kv_pull_failed", request_id=transfer.request_id, error=repr(e))
+            self._end_pull(transfer.request_id, failed=True)
+            return
+        pull.awaited_ranks = {rank for rank, _ in sources}
+        self._awaiting[transfer.remote_request_id] = transfer.request_id
+        self._early_since.pop(transfer.remote_request_id, None)
+        for notice in self._early_notices.pop(transfer.remote_request_id, []):
+            self._on_ready(notice)
+
+    def _on_ready(self, notice: ReadyNotice) -> None:
+        """A producer stage's ready notice: start its read for the pull that awaits it."""
+        request_id = self._awaiting.get(notice.request_id)
+        pull = self._pulls.get(request_id) if request_id is not None else None
+        if pull is None or pull.transfer.remote_engine_id != notice.engine_id:
+            if notice.request_id in self._dropped:  # ended before the notice came: free its blocks there
+                self._release_remote(notice)
+            else:
+                self._early_notices.setdefault(notice.request_id, []).append(notice)
+                self._early_since.setdefault(notice.request_id, time.monotonic())
+            return
+        transfer = pull.transfer
+        if notice.pp_rank not in pull.awaited_ranks:
+            return  # a duplicate, or a stage whose layers this one does not read
+        pull.awaited_ranks.discard(notice.pp_rank)
+        first, block_ids = transfer.remote_first_block, notice.block_ids
+        try:
+            if notice.num_tokens != transfer.num_tokens or len(block_ids) < first + len(transfer.block_ids):
+                raise ValueError(f"the producer computed {notice.num_tokens} tokens in {len(block_ids)} blocks, "
+                                 f"this request's prompt has {transfer.num_tokens}")  # fmt: skip
+            sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
+            self._read(pull, notice.pp_rank, sources[notice.pp_rank], block_ids[first : first + len(transfer.block_ids)])
+        except Exception as e:  # noqa: BLE001 - this pull fails alone (its request fails)
+            self.log.warning("kv_pull_failed", request_id=request_id, error=repr(e))
+            self._end_pull(request_id, failed=True)
+
+    def _release_remote(self, notice: ReadyNotice) -> None:
+        """Tell the producer stage that this stage will not read its blocks for that request."""
+        agent = self._agents.get((notice.engine_id, notice.pp_rank))
+        if agent is None:
+            return
+        info = self.topology.get_engine_info(notice.engine_id, notice.pp_rank)
+        self._notify(agent, notification(notice.request_id, self.pp_rank, self._readers_of(info)))
+
+    def _expire_early_notices(self, now: float) -> None:
+        for remote_request_id, since in list(self._early_since.items()):
+            if now - since > self.ctx.pull_timeout_s:  # nobody here awaits it: let the producer go
+                del self._early_since[remote_request_id]
+                for notice in self._early_notices.pop(remote_request_id, []):
+                    self._release_remote(notice)
+        for remote_request_id, at in list(self._dropped.items()):
+            if now - at > self.ctx.pull_timeout_s:
+                del self._dropped[remote_request_id]
+
+    # ---- early handover (producer) ---------------------------------------------------------
+    def save_kv(self, step_id: int) -> None:
+        """Producer: this step's forward completed these prompts' KV in this stage's layers: tell the
+        consumer stages that read them where they are."""
+        if self.role != "producer" or not self.metadata.saves:
+            return
+        if any(region.is_cuda for region in self._regions):
+            torch.cuda.current_stream().synchronize()  # the forward's writes are done before anyone reads
+        for save in self.metadata.saves:
+            try:
+                readers = self.topology.sources_for(save.remote_engine_id, self.start_layer, self.end_layer)
+                notice = ReadyNotice(self.ctx.engine_id, save.request_id, self.pp_rank, save.num_tokens, save.block_ids).encode()
+                for rank, _ in readers:
+                    self.transport.send_notif(self._agents[(save.remote_engine_id, rank)], notice)
+            except Exception as e:  # noqa: BLE001 - the consumer pulls nothing: its load times out
+                self.log.warning("kv_ready_notice_failed", request_id=save.request_id, error=repr(e))
+
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        sending = self._collect_notifications()
         for request_id in list(self._pulls):
-            states = [self.transport.poll(handle) for handle in self._pulls[request_id].handles]
+            pull = self._pulls[request_id]
+            states = [self.transport.poll(handle) for handle in pull.handles]
             if TransferState.FAILED in states:
                 self.log.warning("kv_pull_failed", request_id=request_id, error="a NIXL read failed")
                 self._end_pull(request_id, failed=True)
-            elif all(state is TransferState.DONE for state in states):
+            elif not pull.awaited_ranks and all(state is TransferState.DONE for state in states):
                 self._end_pull(request_id, failed=False)
         recving, self._finished_recving = frozenset(self._finished_recving), set()
-        return self._collect_notifications(), recving
+        return sending, recving
 
     def _end_pull(self, request_id: str, failed: bool) -> None:
         pull = self._pulls.pop(request_id)
+        remote_request_id = pull.transfer.remote_request_id
+        if self._awaiting.get(remote_request_id) == request_id:
+            del self._awaiting[remote_request_id]
+            if pull.awaited_ranks:  # notices still to come: answer them "not read"
+                self._dropped[remote_request_id] = time.monotonic()
         for handle in pull.handles:
             try:
                 self.transport.release(handle)
@@ -235,18 +352,27 @@ class PDWorker(KVConnectorWorker):
             self.log.warning("kv_notify_failed", agent=agent, error=repr(e))
 
     def _collect_notifications(self) -> frozenset[str]:
-        """Producer: the held requests every reader of this stage has notified."""
-        if self.role != "producer" or self.transport is None:
+        """Ready notices start the reads they were awaited for (consumer); returns the held requests
+        every reader of this stage has notified (producer)."""
+        if self.transport is None:
             return frozenset()
         now = time.monotonic()
         for msg in self.transport.get_notifs():
+            ready = ReadyNotice.decode(msg)
+            if ready is not None:
+                if self.role == "consumer":
+                    self._on_ready(ready)
+                continue
             parsed = parse_notification(msg)
-            if parsed is None:
+            if parsed is None or self.role != "producer":
                 self.log.warning("kv_bad_notification", message=msg[:100])
                 continue
             request_id, pp_rank, num_readers = parsed
             self._readers.setdefault(request_id, {})[pp_rank] = num_readers
             self._first_notified_at.setdefault(request_id, now)
+        if self.role != "producer":
+            self._expire_early_notices(now)
+            return frozenset()
         done = []
         for request_id, readers in self._readers.items():
             if request_id in self._held and len(readers) >= max(readers.values()):

@@ -83,3 +83,42 @@ def assert_idle(*engines: Engine) -> None:
         assert scheduler.num_partly_reported_transfers == 0
         assert not engine.has_pending_transfers()
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def pd_pair_early(model_dir, prefill_pp: int, prefill_split, decode_pp: int, decode_split, **sections) -> tuple[Engine, Engine]:
+    """As `pd_pair`, with the handshakes both ways: the producer's stages tell the consumer's."""
+    producer, consumer = pd_pair(model_dir, prefill_pp, prefill_split, decode_pp, decode_split, **sections)
+    producer.kv_connector.add_remote_engine(consumer.kv_connector.engine_handshake())
+    return producer, consumer
+
+
+def start_early(producer: Engine, consumer: Engine, prompt, params: SamplingParams, request_id: str) -> tuple[str, str]:
+    """What the router does first: the producer computes the prompt, the consumer is given the request
+    at once (it awaits the producer's request). Returns (producer id, consumer id)."""
+    kv = {"do_remote_decode": True, "decode_engine_id": "decode"}
+    pid = producer.add_request(prompt, dataclasses.replace(params, max_tokens=1), f"p-{request_id}", kv)
+    awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": pid}
+    return pid, consumer.add_request(prompt, params, f"c-{request_id}", awaited)
+
+
+def serve_pd_early(producer: Engine, consumer: Engine, prompts, params: SamplingParams, max_steps: int = 5000) -> list[Completion]:
+    """Early handover, as the router drives it: both engines get each request at once; the
+    producer's last delta (its token, signed params) goes to the consumer as it comes."""
+    pairs = dict(start_early(producer, consumer, p, params, str(i)) for i, p in enumerate(prompts))
+    firsts = {pid: Completion(pid) for pid in pairs}
+    rests = {cid: Completion(cid) for cid in pairs.values()}
+    for _ in range(max_steps):
+        busy = False
+        for engine in (producer, consumer):
+            if engine.has_unfinished_requests() or engine.has_pending_transfers():
+                busy = True
+                for out in engine.step():
+                    if out.request_id in firsts:
+                        firsts[out.request_id].add(out)
+                        if out.finished:
+                            consumer.add_remote_prefill(pairs[out.request_id], out.kv_transfer_params)
+                    elif out.request_id in rests:
+                        rests[out.request_id].add(out)
+        if not busy:
+            return [joined(firsts[pid], rests[cid]) for pid, cid in pairs.items()]
+    raise AssertionError("the engines did not drain")
