@@ -25,6 +25,7 @@ from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
     AbortRequest,
+    RemotePrefillDone,
     AddRemoteEngine,
     AddRemoteEngineReply,
     ErrorReply,
@@ -139,6 +140,11 @@ class AsyncClient:
 
     async def abort(self, request_id: str) -> None:
         await self._queue.put(AbortRequest(request_id))
+
+    async def remote_prefill_done(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
+        """A running request that awaits a remote prefill: that engine's params (its first token).
+        A refusal ends the request's `generate` with an error."""
+        await self._queue.put(RemotePrefillDone(request_id, kv_transfer_params))
 
     def end_all(self, message: str, kind: str = "shutdown") -> None:
         """End every open `generate` with `RequestFailedError(kind, message)`, aborting its request

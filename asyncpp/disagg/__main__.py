@@ -17,7 +17,7 @@ import sys
 
 import uvloop
 
-from asyncpp.disagg.config import DisaggSection
+from asyncpp.disagg.config import HANDOVERS, DisaggSection
 from asyncpp.disagg.deploy import MAX_FRAME_BYTES
 from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router import PDRouter
@@ -36,6 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--health-timeout-s", type=float, default=defaults.health_timeout_s)
     ap.add_argument("--start-timeout-s", type=float, default=60.0, help="both engines must answer within it")
     ap.add_argument("--grace-period-s", type=float, default=5.0)
+    ap.add_argument("--handover", choices=HANDOVERS, default=defaults.handover, help="when the decode engine gets a request")
     ap.add_argument("--log-format", choices=("console", "json"), default="console")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 async def run(ns: argparse.Namespace) -> int:
     health = {"health_interval_s": ns.health_interval_s, "health_timeout_s": ns.health_timeout_s}
     prefill, decode = EngineLink("prefill", ns.prefill, **health), EngineLink("decode", ns.decode, **health)
-    router = PDRouter(RouterQueue(f"tcp://{ns.host}:{ns.port}", MAX_FRAME_BYTES), prefill, decode)
+    router = PDRouter(RouterQueue(f"tcp://{ns.host}:{ns.port}", MAX_FRAME_BYTES), prefill, decode, handover=ns.handover)
     try:
         try:
             await router.connect(ns.start_timeout_s)

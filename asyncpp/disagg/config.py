@@ -27,6 +27,7 @@ from asyncpp.config import ConfigError, EngineConfig, _build, config_from_dict
 
 ROLES = ("prefill", "decode")
 KV_ROLES = {"prefill": "producer", "decode": "consumer"}
+HANDOVERS = ("early", "after_prefill")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class DisaggSection:
     # Give each engine CPUs of its own (its pp_size * num_threads, the rest to the decode engine)
     # when the machine has enough; otherwise both share every CPU and neither pins its threads.
     split_cpus: bool = True
+    # "early": the decode engine is given each request with the prefill engine, and reads the
+    # prompt's KV as soon as the prefill stages have it; "after_prefill": once the first token is.
+    handover: str = "early"
     prefill: dict[str, Any] = field(default_factory=dict)  # dotted key -> value
     decode: dict[str, Any] = field(default_factory=dict)
 
@@ -47,6 +51,8 @@ class DisaggSection:
             value = getattr(self, name)
             if not 0 < value < float("inf"):
                 raise ConfigError(f"disagg.{name} must be a positive number of seconds, got {value!r}")
+        if self.handover not in HANDOVERS:
+            raise ConfigError(f"disagg.handover must be one of {list(HANDOVERS)}, got {self.handover!r}")
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,8 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
             for role, address in zip(ROLES, addresses)
         }  # fmt: skip
         port = config.server.port if ns.port is None else ns.port
-        router = PDRouter(RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES), links["prefill"], links["decode"])
+        queue = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
+        router = PDRouter(queue, links["prefill"], links["decode"], handover=pd.section.handover)
         try:
             await router.connect(timeout_s)
         except (TimeoutError, RuntimeError) as e:  # an engine that does not answer, or refuses the other

@@ -33,6 +33,7 @@ class EngineLink:
         self.client = AsyncClient(address)
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.engine_id: str | None = None  # its KV handshake's, once exchanged (None: it publishes none)
         self.dead_reason: str | None = None  # None: alive
         self.is_gone = False  # its process exited: it never comes back
         self.on_dead: Callable[[EngineLink], None] = lambda link: None  # called once per death
@@ -111,6 +112,7 @@ async def exchange_handshakes(prefill: EngineLink, decode: EngineLink, timeout_s
                 prefill.client.kv_handshake(timeout_s=per_call_s), decode.client.kv_handshake(timeout_s=per_call_s)
             )
             for source, target, handshake in ((prefill, decode, handshakes[0]), (decode, prefill, handshakes[1])):
+                source.engine_id = handshake.engine_id if handshake is not None else None
                 if handshake is None:
                     log.info("no_kv_handshake", engine=source.role, address=source.address)
                     continue

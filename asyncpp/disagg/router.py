@@ -13,6 +13,15 @@ cannot tell it from an engine. Each request is one task:
 2. decode: the client's own request to the decode engine with those params,
    verbatim; its deltas (from the second token on) go back to the client
    unchanged, under the client's request id.
+With `handover = "early"` (the default, when both engines publish KV
+handshakes) the decode phase starts with the prefill: the decode engine gets
+the request at once, awaiting the prefill engine's request
+(`{"do_remote_prefill": true, ...}`), so it admits it and reads the prompt's
+KV as soon as each prefill stage has computed it (the prefill engine is
+asked with `decode_engine_id`); the prefill's last delta's params follow
+(`RemotePrefillDone`) and bring the first token. A request that ends at the
+prefill aborts its decode request. `"after_prefill"` sends the decode
+request only once the prefill is done.
 Both engines know the request by one id the router makes (`<client id>.pd<n>`,
 unique per router), so two clients may use the same id. Errors from either
 engine reach the client with their kind. An abort (or the client gone) cancels
@@ -80,9 +89,10 @@ class RequestError(Exception):
 
 
 class PDRouter:
-    def __init__(self, queue: RouterQueue, prefill: EngineLink, decode: EngineLink) -> None:
+    def __init__(self, queue: RouterQueue, prefill: EngineLink, decode: EngineLink, handover: str = "early") -> None:
         self.prefill = prefill
         self.decode = decode
+        self.handover = handover
         replies = {
             HealthRequest: self._health,
             StatsRequest: self._stats,
@@ -183,7 +193,15 @@ class PDRouter:
         if gone:
             self.log.info("client_gone", peer=peer.hex(), num_aborted=len(gone))
 
+    @property
+    def is_early(self) -> bool:
+        """The decode engine gets requests with the prefill engine (both publish KV handshakes)."""
+        return self.handover == "early" and self.prefill.engine_id is not None and self.decode.engine_id is not None
+
     async def _route(self, req: RoutedRequest) -> None:
+        is_alone = SamplingParams.from_dict(req.msg.sampling_params).max_tokens == 1
+        if self.is_early and not is_alone:
+            return await self._route_early(req)
         try:
             kv_transfer_params = await self._run_prefill(req)
             if kv_transfer_params is None or self.requests.get(req.key) is not req:
@@ -191,6 +209,7 @@ class PDRouter:
             req.phase = "decode"
             if not self.decode.is_alive:
                 raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
+            self.counters.num_handovers += 1
             await self._run_decode(req, kv_transfer_params)
         except RequestError as e:
             self._fail(req, e.reply.message, e.reply.kind, e.reply.field)
@@ -198,13 +217,43 @@ class PDRouter:
             self.log.exception("request_routing_failed", request_id=req.engine_request_id, error=repr(e))
             self._fail(req, repr(e), "internal")
 
-    async def _run_prefill(self, req: RoutedRequest) -> dict[str, Any] | None:
+    async def _route_early(self, req: RoutedRequest) -> None:
+        """Both engines at once: the decode engine awaits the prefill engine's request."""
+        awaited = {"do_remote_prefill": True, "remote_engine_id": self.prefill.engine_id, "remote_request_id": req.engine_request_id}
+        decode = asyncio.create_task(self._run_decode(req, awaited))
+        prefill = asyncio.create_task(self._run_prefill(req, {**DO_REMOTE_DECODE, "decode_engine_id": self.decode.engine_id}))
+        try:
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if not prefill.done():  # the decode engine refused or failed it first: that error ends it
+                decode.result()
+                raise RequestError(ErrorReply(req.msg.request_id, f"{self.decode.name} ended the request early", "internal"))
+            kv_transfer_params = prefill.result()
+            if kv_transfer_params is None or self.requests.get(req.key) is not req:
+                return  # over at its first token (its decode request is aborted); or aborted or failed
+            req.phase = "decode"
+            if not self.decode.is_alive:
+                raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
+            self.counters.num_handovers += 1
+            await self.decode.client.remote_prefill_done(req.engine_request_id, kv_transfer_params)
+            await decode
+        except RequestError as e:
+            self._fail(req, e.reply.message, e.reply.kind, e.reply.field)
+        except Exception as e:  # a bug here fails this request, not the router
+            self.log.exception("request_routing_failed", request_id=req.engine_request_id, error=repr(e))
+            self._fail(req, repr(e), "internal")
+        finally:
+            for task in (prefill, decode):
+                task.cancel()  # closing its engine stream aborts it there
+            await asyncio.gather(prefill, decode, return_exceptions=True)
+
+    async def _run_prefill(self, req: RoutedRequest, kv: dict[str, Any] = DO_REMOTE_DECODE) -> dict[str, Any] | None:
         """Stream the prefill engine's token to the client; the params to decode with, or None if the
         request is over (one token asked for, or it stopped there)."""
         t0 = time.monotonic()
         msg = req.msg
         is_alone = SamplingParams.from_dict(msg.sampling_params).max_tokens == 1
-        params, kv = (msg.sampling_params, None) if is_alone else (prefill_params(msg.sampling_params), DO_REMOTE_DECODE)
+        params = msg.sampling_params if is_alone else prefill_params(msg.sampling_params)
+        kv = None if is_alone else kv
         stream = self.prefill.client.generate(msg.prompt, params, req.engine_request_id, kv)
         async with contextlib.aclosing(stream):
             try:
@@ -232,7 +281,6 @@ class PDRouter:
 
     async def _run_decode(self, req: RoutedRequest, kv_transfer_params: dict[str, Any]) -> None:
         msg = req.msg
-        self.counters.num_handovers += 1
         stream = self.decode.client.generate(msg.prompt, msg.sampling_params, req.engine_request_id, kv_transfer_params)
         is_first = True
         async with contextlib.aclosing(stream):

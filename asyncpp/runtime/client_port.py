@@ -4,7 +4,7 @@ It decodes client frames (a bad frame gets an `ErrorReply` naming what is
 wrong, and the request it was when its head says so, unless that is one the
 client already has running), hands a `GenerateRequest` to the engine's
 `RequestSink` and remembers which client (peer) each accepted request belongs
-to, routes aborts only from the request's own client, answers request/reply
+to, routes aborts (and remote prefills done) only from the request's own client, answers request/reply
 messages (health, stats, and whatever else the engine registers in `replies`)
 and sends each client one `RequestDeltas` frame per step with all of its deltas. A client that is gone
 (`PeerGoneError`) has its requests aborted. One client's message never ends
@@ -22,6 +22,7 @@ from asyncpp.wire.client_msgs import (
     AbortRequest,
     ErrorReply,
     GenerateRequest,
+    RemotePrefillDone,
     RequestDeltas,
 )
 from asyncpp.wire.codec import WireError
@@ -45,6 +46,9 @@ class RequestSink(Protocol):
 
     def abort(self, request_id: str) -> None:
         """The client aborted it (or is gone): finish it and free what it holds."""
+
+    async def add_remote_prefill(self, msg: RemotePrefillDone) -> None:
+        """The remote prefill of a request of this client is done; a refusal fails the request."""
 
 
 # A request/reply message type -> its handler, which returns the reply.
@@ -89,6 +93,9 @@ class ClientPort:
             if self.peer_of.get(msg.request_id) == peer:
                 del self.peer_of[msg.request_id]
                 self.sink.abort(msg.request_id)
+        elif isinstance(msg, RemotePrefillDone):
+            if self.peer_of.get(msg.request_id) == peer:  # else it is over already (its client knows)
+                await self.sink.add_remote_prefill(msg)
         elif (handler := self.replies.get(type(msg))) is not None:
             await self.router.put(peer, await handler(msg))
         else:
@@ -109,13 +116,13 @@ class ClientPort:
         if gone:
             self.log.info("client_gone", peer=peer.hex(), num_aborted=len(gone))
 
-    async def send_error(self, request_id: str, message: str, kind: str) -> None:
+    async def send_error(self, request_id: str, message: str, kind: str, error_field: str | None = None) -> None:
         """The request is over with an error: tell its client (if it still has one) why."""
         peer = self.peer_of.pop(request_id, None)
         if peer is None:
             return
         try:
-            await self.router.put(peer, ErrorReply(request_id, message, kind))
+            await self.router.put(peer, ErrorReply(request_id, message, kind, error_field))
         except PeerGoneError:
             self.drop_peer(peer)
 

@@ -1,7 +1,8 @@
 """`EngineServer`: the engine process's asyncio loop over the pipeline stages.
 
 It composes the engine's tasks on one loop, none of which blocks it:
-* clients (`ClientPort`): decode and validate requests, route deltas and errors;
+* clients (`ClientPort`): decode and validate requests (and the remote prefills
+  that requests awaited), route deltas and errors;
 * the step window (`StepWindow`): schedule, dispatch and complete steps across
   the stages, KV-transfer polling included;
 * watchdog: sleeps until a stage process exits, then fails every request with
@@ -37,6 +38,7 @@ from asyncpp.wire.client_msgs import (
     HealthRequest,
     KVHandshakeReply,
     KVHandshakeRequest,
+    RemotePrefillDone,
     StatsReply,
     StatsRequest,
 )
@@ -164,10 +166,19 @@ class EngineServer:
         self.core.abort(request_id)
         self.window.wake()
 
-    async def _fail(self, request_id: str, message: str, kind: str) -> None:
+    async def add_remote_prefill(self, msg: RemotePrefillDone) -> None:
+        try:
+            self.core.add_remote_prefill(msg.request_id, msg.kv_transfer_params)
+        except InvalidRequestError as e:
+            self.log.info("remote_prefill_refused", request_id=msg.request_id, error=str(e))
+            await self._fail(msg.request_id, str(e), "invalid_request", e.field)
+            return
+        self.window.wake()
+
+    async def _fail(self, request_id: str, message: str, kind: str, error_field: str | None = None) -> None:
         """Finish a request with an error in the engine and tell its client why."""
         self.core.abort(request_id, RequestStatus.FINISHED_ERROR, message)
-        await self.port.send_error(request_id, message, kind)
+        await self.port.send_error(request_id, message, kind, error_field)
 
     async def _health(self, msg: HealthRequest) -> HealthReply:
         return HealthReply(msg.nonce, not self.is_dead)

@@ -30,6 +30,17 @@ class GenerateRequest:
     kv_transfer_params: dict[str, Any] | None = None
 
 
+@message("remote_prefill_done")
+@dataclass(frozen=True)
+class RemotePrefillDone:
+    """For a request the engine took awaiting a remote prefill (its `kv_transfer_params` said so):
+    the remote engine's params, now that it computed the prompt and sampled the first token. A
+    refusal ends the request with an `ErrorReply`; nothing answers an accepted one."""
+
+    request_id: str
+    kv_transfer_params: dict[str, Any]
+
+
 @message("abort")
 @dataclass(frozen=True)
 class AbortRequest:

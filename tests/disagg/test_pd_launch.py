@@ -138,13 +138,19 @@ def _has_pd_connector() -> bool:
 
 
 @pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
-async def test_pd_connector_equals_one_engine(tmp_path, tiny_hf_dir, prompts, one_engine):
-    """The decode engine pulls each prompt's KV from the prefill engine: same greedy tokens."""
-    with launched(tmp_path, pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 10.0})) as pd:
+@pytest.mark.parametrize("handover", ["early", "after_prefill"])
+async def test_pd_connector_equals_one_engine(tmp_path, tiny_hf_dir, prompts, one_engine, handover):
+    """The decode engine pulls each prompt's KV from the prefill engine: same greedy tokens. Early:
+    it had every request while the prefill engine computed it; after_prefill: once it was done."""
+    sections = pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 10.0})
+    sections["disagg"]["handover"] = handover
+    with launched(tmp_path, sections) as pd:
         results, stats = await collect_all(pd.address, prompts, GREEDY)
         pd.proc.send_signal(signal.SIGTERM)
         assert pd.wait(timeout_s=30) == 0, "".join(pd.output[-40:])
     assert [r[0] for r in results] == one_engine
     assert stats["pd_num_handovers"] == len(prompts)
+    assert stats["decode"]["pd_num_early_handovers"] == (len(prompts) if handover == "early" else 0)
+    assert stats["decode"]["kv_num_handovers"] == len(prompts)
     assert stats["decode"]["num_external_prefix_hit_tokens"] > 0  # KV came from the prefill engine
     assert not any("Traceback" in line for line in pd.output), "".join(pd.output[-40:])

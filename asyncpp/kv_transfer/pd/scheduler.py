@@ -91,6 +91,7 @@ class PDScheduler(KVConnectorScheduler):
         self.num_pulls = 0  # consumer: requests pulled
         self.num_pulled_tokens = 0
         self.num_released_unpulled = 0  # consumer: told the producer without pulling
+        self.num_early_handovers = 0  # consumer: awaited requests whose producer params came
         self.log = get_logger(role="engine", connector="pd", kv_role=self.role, engine_id=self.engine_id)
 
     @property
@@ -169,6 +170,7 @@ class PDScheduler(KVConnectorScheduler):
         AwaitedPrefill.parse(request.kv_transfer_params).check_done(done)
         self._check(done, params, request.prompt_token_ids)
         self._first_token_at[request.request_id] = done.first_token_at
+        self.num_early_handovers += 1
         return [done.first_token_id]
 
     def _remote_prefill(self, request: "Request") -> RemotePrefill | AwaitedPrefill | None:
@@ -301,6 +303,7 @@ class PDScheduler(KVConnectorScheduler):
             "pd_num_pulls": self.num_pulls,
             "pd_num_pulled_tokens": self.num_pulled_tokens,
             "pd_num_released_unpulled": self.num_released_unpulled,
+            "pd_num_early_handovers": self.num_early_handovers,
         }
 
 
