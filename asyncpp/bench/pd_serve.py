@@ -4,8 +4,10 @@ A prefill-heavy workload (random prompts of `--input-len` tokens, `--output-len`
 output tokens, Poisson arrivals at `--request-rate`) is served, in interleaved
 repetitions, by (a) one engine launched from `--colocated` (default: the
 default config, pp=2) and (b) the prefill/decode deployment launched from
-`--disagg` (default: configs/pd-1-1.toml, one stage each), on the same
-cores. Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
+`--disagg` (default: configs/pd-1-1.toml, one stage each), once per
+`--handovers` mode (`disagg.handover`: "early", the decode engine gets each
+request with the prefill engine; "after_prefill", once the prefill is done),
+on the same cores. Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
 sees them; for (b) also the handover (the decode engine's stats: from the
 prefill engine's first token to the decode stages holding the prompt's KV,
 that is the start of the request's first decode step) and the client's gap
@@ -47,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=1.0, help="requests per second (Poisson)")
+    ap.add_argument("--handovers", default="early,after_prefill", help="disagg.handover modes to run, comma-separated")
     ap.add_argument("--repeat", type=int, default=2, help="interleaved repetitions (A B A B ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-json", help="write every figure here")
@@ -86,53 +89,59 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="asyncpp-pd-bench-"))
     colocated = work / "colocated.toml"
     colocated.write_text(to_toml(run_sections(args.colocated, RunSpec("colocated", ()))))
-    disagg_sections = tomllib.loads(Path(args.disagg).read_text())
-    disagg_sections.setdefault("server", {})["port"] = 0
-    disagg = work / "disagg.toml"
-    disagg.write_text(_disagg_toml(disagg_sections))
-    runs: dict[str, list[dict]] = {"colocated": [], "disagg": []}
+    configs = {"colocated": colocated}
+    for mode in args.handovers.split(","):
+        sections = tomllib.loads(Path(args.disagg).read_text())
+        sections.setdefault("server", {})["port"] = 0
+        sections.setdefault("disagg", {})["handover"] = mode
+        configs[f"disagg:{mode}"] = work / f"disagg-{mode}.toml"
+        configs[f"disagg:{mode}"].write_text(_disagg_toml(sections))
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
     for r in range(args.repeat):
-        order = ("colocated", "disagg") if r % 2 == 0 else ("disagg", "colocated")
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
         for name in order:
-            result = serve(colocated if name == "colocated" else disagg, args, requests, warmup)
+            result = serve(configs[name], args, requests, warmup)
             runs[name].append(result)
             m = result["metrics"]
             print(
-                f"rep {r} {name:9s} TTFT mean/p99 {m['mean_ttft_ms']:7.1f}/{m['p99_ttft_ms']:7.1f} ms  "
+                f"rep {r} {name:20s} TTFT mean/p99 {m['mean_ttft_ms']:7.1f}/{m['p99_ttft_ms']:7.1f} ms  "
                 f"TPOT mean/p99 {m['mean_tpot_ms']:6.1f}/{m['p99_tpot_ms']:6.1f} ms  "
                 f"{m['output_throughput']:6.1f} tok/s  failed {m['failed']}",
                 flush=True,
             )
-    summary = {"args": vars(args), "runs": {k: [x["metrics"] for x in v] for k, v in runs.items()}}
-    print("\ndisagg / colocated (median over repetitions, min - max):")
-    ratios = {}
-    for figure in _FIGURES:
-        values = [d["metrics"][figure] / c["metrics"][figure] for c, d in zip(runs["colocated"], runs["disagg"])]
-        ratios[figure] = values
-        print(f"  {figure:18s} {statistics.median(values):.2f}x ({min(values):.2f} - {max(values):.2f})")
-    handovers = [d["stats"].get("kv_handover_s_mean") for d in runs["disagg"]]
-    handover_p50 = [d["stats"].get("kv_handover_s_p50") for d in runs["disagg"]]
-    handover_p99 = [d["stats"].get("kv_handover_s_p99") for d in runs["disagg"]]
-    second_p50 = [d["stats"].get("pd_second_token_s_p50") for d in runs["disagg"]]
+    summary: dict[str, Any] = {"args": vars(args), "runs": {k: [x["metrics"] for x in v] for k, v in runs.items()}}
     from asyncpp.bench.pd_transfer import measure
 
     raw = measure(**handed_over_shape(args.disagg, args.input_len), placement="runs", repeat=11)
     nbytes = raw["nbytes"]
     nixl_s, memcpy_s = nbytes / (raw["nixl_gbps"] * 1e9), nbytes / (raw["memcpy_gbps"] * 1e9)
-    print(f"\nhandover (prefill's first token -> the decode stages hold its KV), {nbytes / 1e6:.1f} MB a request:")
-    print(f"  mean {_ms(handovers)}  p50 {_ms(handover_p50)}  p99 {_ms(handover_p99)} ms")
-    print(f"  first -> second token at the client (router): p50 {_ms(second_p50)} ms")
-    print(f"  raw NIXL read of the same bytes {nixl_s * 1e3:.2f} ms, memcpy {memcpy_s * 1e3:.2f} ms")
-    valid = [h for h in handover_p50 if h is not None]
-    if valid:
-        print(f"  handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.2f}x")
-    summary |= {
-        "ratios": ratios, "handover_s_mean": handovers, "handover_s_p50": handover_p50, "handover_s_p99": handover_p99,
-        "second_token_s_p50": second_p50, "raw": raw, "nbytes": nbytes,
-    }  # fmt: skip
+    summary |= {"raw": raw, "nbytes": nbytes}
+    print(f"\nraw NIXL read of the {nbytes / 1e6:.1f} MB one request hands over {nixl_s * 1e3:.2f} ms, memcpy {memcpy_s * 1e3:.2f} ms")
+    for name in configs:
+        if name != "colocated":
+            summary[name] = _disagg_summary(name, runs["colocated"], runs[name], nixl_s)
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(summary, indent=2, default=str))
     return 0
+
+
+def _disagg_summary(name: str, colocated: list[dict], disagg: list[dict], nixl_s: float) -> dict[str, Any]:
+    print(f"\n{name} / colocated (median over repetitions, min - max):")
+    ratios = {}
+    for figure in _FIGURES:
+        values = [d["metrics"][figure] / c["metrics"][figure] for c, d in zip(colocated, disagg)]
+        ratios[figure] = values
+        print(f"  {figure:18s} {statistics.median(values):.2f}x ({min(values):.2f} - {max(values):.2f})")
+    figures = {key: [d["stats"].get(key) for d in disagg] for key in
+               ("kv_handover_s_mean", "kv_handover_s_p50", "kv_handover_s_p99", "pd_second_token_s_p50")}  # fmt: skip
+    print("  handover (prefill's first token -> the decode's first step with its KV in place):")
+    print(f"    mean {_ms(figures['kv_handover_s_mean'])}  p50 {_ms(figures['kv_handover_s_p50'])}  "
+          f"p99 {_ms(figures['kv_handover_s_p99'])} ms")  # fmt: skip
+    print(f"    first -> second token at the client (router): p50 {_ms(figures['pd_second_token_s_p50'])} ms")
+    valid = [h for h in figures["kv_handover_s_p50"] if h is not None]
+    if valid:
+        print(f"    handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.2f}x")
+    return {"ratios": ratios, **figures}
 
 
 def _ms(values) -> str:

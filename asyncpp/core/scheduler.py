@@ -170,7 +170,7 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
         return self._block_manager.usage
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._queues.running or self._queues.waiting or self._waiting_for_remote)
+        return bool(self._queues.running or self._queues.waiting or self._waiting_for_remote or self._parked)
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

@@ -369,8 +369,14 @@ class KVTransferScheduling:
             self._queues.requeue(request)
 
     def _release_blocks(self, request: Request) -> None:
-        """A finished request's blocks go once no transfer holds them; it is forgotten once nothing does."""
+        """A finished request's blocks go once no transfer holds them; it is forgotten once nothing does.
+        One still loading (aborted) has its load stopped by the next plan: it may wait for a remote
+        engine that will never send (a prefill that ended too)."""
         if self._holds_blocks(request):
+            request_id = request.request_id
+            if request_id in self._waiting_for_remote and request_id not in self._unsent_aborted:
+                self._load_deadlines.pop(request_id, None)
+                self._unsent_aborted.append(request_id)
             return
         self._block_manager.free(request.request_id)
         if not request.is_in_flight:

@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import itertools
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,20 +222,15 @@ class PDRouter:
         """Both engines at once: the decode engine awaits the prefill engine's request."""
         awaited = {"do_remote_prefill": True, "remote_engine_id": self.prefill.engine_id, "remote_request_id": req.engine_request_id}
         decode = asyncio.create_task(self._run_decode(req, awaited))
-        prefill = asyncio.create_task(self._run_prefill(req, {**DO_REMOTE_DECODE, "decode_engine_id": self.decode.engine_id}))
+        kv = {**DO_REMOTE_DECODE, "decode_engine_id": self.decode.engine_id}
+        prefill = asyncio.create_task(self._run_prefill(req, kv, then=self._hand_over))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if not prefill.done():  # the decode engine refused or failed it first: that error ends it
                 decode.result()
                 raise RequestError(ErrorReply(req.msg.request_id, f"{self.decode.name} ended the request early", "internal"))
-            kv_transfer_params = prefill.result()
-            if kv_transfer_params is None or self.requests.get(req.key) is not req:
+            if prefill.result() is None or self.requests.get(req.key) is not req:
                 return  # over at its first token (its decode request is aborted); or aborted or failed
-            req.phase = "decode"
-            if not self.decode.is_alive:
-                raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
-            self.counters.num_handovers += 1
-            await self.decode.client.remote_prefill_done(req.engine_request_id, kv_transfer_params)
             await decode
         except RequestError as e:
             self._fail(req, e.reply.message, e.reply.kind, e.reply.field)
@@ -246,9 +242,22 @@ class PDRouter:
                 task.cancel()  # closing its engine stream aborts it there
             await asyncio.gather(prefill, decode, return_exceptions=True)
 
-    async def _run_prefill(self, req: RoutedRequest, kv: dict[str, Any] = DO_REMOTE_DECODE) -> dict[str, Any] | None:
+    async def _hand_over(self, req: RoutedRequest, kv_transfer_params: dict[str, Any]) -> None:
+        """Early handover: the decode engine, which awaits the prefill, gets its params."""
+        if self.requests.get(req.key) is not req:
+            return  # aborted or failed meanwhile
+        req.phase = "decode"
+        if not self.decode.is_alive:
+            raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
+        self.counters.num_handovers += 1
+        await self.decode.client.remote_prefill_done(req.engine_request_id, kv_transfer_params)
+
+    async def _run_prefill(
+        self, req: RoutedRequest, kv: dict[str, Any] = DO_REMOTE_DECODE,
+        then: Callable[[RoutedRequest, dict[str, Any]], Awaitable[None]] | None = None,
+    ) -> dict[str, Any] | None:  # fmt: skip
         """Stream the prefill engine's token to the client; the params to decode with, or None if the
-        request is over (one token asked for, or it stopped there)."""
+        request is over (one token asked for, or it stopped there). `then` gets the params at once."""
         t0 = time.monotonic()
         msg = req.msg
         is_alone = SamplingParams.from_dict(msg.sampling_params).max_tokens == 1
@@ -265,6 +274,8 @@ class PDRouter:
                     self.counters.prefill_done(req.prefill_done_at - t0)
                     if delta.kv_transfer_params is not None and not is_alone:
                         self.front.push_delta(req.peer, msg.request_id, handed_on(delta))
+                        if then is not None:
+                            await then(req, delta.kv_transfer_params)
                         return delta.kv_transfer_params
                     if delta.finish_reason == "length" and not is_alone:
                         raise RequestError(

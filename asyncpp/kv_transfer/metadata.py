@@ -43,6 +43,8 @@ class BlockTransfer:
     on_ready: bool = False
     num_tokens: int = 0
     remote_first_block: int = 0
+    # Producer side of it (a save): the prompt's tokens computed once this step's forward is done.
+    num_ready_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from asyncpp.wire.queues import RouterQueue
 from tests.disagg.fakes import FakeEngine
 
 PREFILL_HANDSHAKE = EngineHandshake("prefill-0", 1, [])
+DECODE_HANDSHAKE = EngineHandshake("decode-0", 1, [])
 
 
 class RouterSetup:
@@ -52,6 +53,21 @@ async def pd():
     """Fake engines (the prefill one publishes a handshake) and a connected, serving router with
     the default health settings (a check every 0.5 s, 1 s timeout)."""
     setup = RouterSetup(FakeEngine("prefill", PREFILL_HANDSHAKE).start(), FakeEngine("decode").start(), None)
+    setup.router = make_router(setup.prefill, setup.decode)
+    await setup.router.connect(5.0)
+    setup.serving = asyncio.create_task(setup.router.serve())
+    try:
+        yield setup
+    finally:
+        await setup.close()
+
+
+@pytest.fixture
+async def pd_early():
+    """As `pd`, with both engines publishing handshakes: the router hands over early."""
+    setup = RouterSetup(
+        FakeEngine("prefill", PREFILL_HANDSHAKE).start(), FakeEngine("decode", DECODE_HANDSHAKE).start(), None
+    )
     setup.router = make_router(setup.prefill, setup.decode)
     await setup.router.connect(5.0)
     setup.serving = asyncio.create_task(setup.router.serve())

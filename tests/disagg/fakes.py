@@ -5,6 +5,8 @@ the client protocol, record what they get and answer as a prefill or a decode en
   `kv_transfer_params` {"x": 1}: the client gets it as its first, unfinished delta;
 * decode: three deltas (`decode_deltas`: logprobs, a stop string, its own last params), once its
   `kv_transfer_params` are checked to be the ones the prefill handed out.
+A decode engine given awaited params (`{"do_remote_prefill": true, ...}`, the early handover)
+waits for the request's `RemotePrefillDone` and checks its params instead.
 The prompt "prefill error" ("decode error") makes that engine answer `FakeEngine.error` instead. `gate` (cleared) holds a
 role's requests before their first delta (prefill) or after it (decode) until set, so a test
 can act in either phase. `kill()` stops answering anything, as a killed process would.
@@ -26,6 +28,7 @@ from asyncpp.wire.client_msgs import (
     HealthRequest,
     KVHandshakeReply,
     KVHandshakeRequest,
+    RemotePrefillDone,
     RequestDelta,
     RequestDeltas,
     StatsReply,
@@ -68,6 +71,8 @@ class FakeEngine:
         self.gate = asyncio.Event()
         self.gate.set()
         self.num_handshake_requests = 0
+        self.prefills_done: list[RemotePrefillDone] = []  # decode: the early handovers it got
+        self._awaited: dict[str, asyncio.Future] = {}
         self._requests: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
 
@@ -95,6 +100,11 @@ class FakeEngine:
             if isinstance(msg, GenerateRequest):
                 self.received.append(msg)
                 self._requests[msg.request_id] = asyncio.create_task(self._generate(peer, msg))
+            elif isinstance(msg, RemotePrefillDone):
+                self.prefills_done.append(msg)
+                awaited = self._awaited.pop(msg.request_id, None)
+                if awaited is not None and not awaited.done():
+                    awaited.set_result(msg.kv_transfer_params)
             elif isinstance(msg, AbortRequest):
                 self.aborted.append(msg.request_id)
                 task = self._requests.pop(msg.request_id, None)
@@ -121,8 +131,12 @@ class FakeEngine:
             delta = RequestDelta(rid, "z", [7], True, self.finish_reason, None, None, 5, 0, self.kv_transfer_params)
             await self.queue.put(peer, RequestDeltas.of([delta]))
         else:
-            if msg.kv_transfer_params != self.expected_params:
-                error = f"kv_transfer_params: expected {self.expected_params!r}, got {msg.kv_transfer_params!r}"
+            params = msg.kv_transfer_params
+            if isinstance(params, dict) and params.get("do_remote_prefill") is True:
+                awaited = self._awaited[rid] = asyncio.get_running_loop().create_future()
+                params = await awaited
+            if params != self.expected_params:
+                error = f"kv_transfer_params: expected {self.expected_params!r}, got {params!r}"
                 await self.queue.put(peer, ErrorReply(rid, error, "invalid_request", "kv_transfer_params"))
                 return
             first, *rest = decode_deltas(rid)

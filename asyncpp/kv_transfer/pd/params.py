@@ -20,9 +20,10 @@ when the prefill engine is, with `AwaitedPrefill` params (the producer's
 engine id and request id, unsigned), and the producer with
 `{"do_remote_decode": true, "decode_engine_id": ...}`. The consumer admits
 the request at once and allocates its prompt's blocks; each producer stage,
-right after the forward that completes the prompt's KV in its layers, tells
-the consumer's stages that read them where the blocks are (`ReadyNotice`),
-and they read them while the first token travels. The signed `RemotePrefill`
+right after each forward that computed a chunk of the prompt in its layers,
+tells the consumer's stages that read them where the blocks are
+(`ReadyNotice`), and they read them while the rest is computed and while
+the first token travels. The signed `RemotePrefill`
 follows as the request's first token (`RemotePrefillDone`), checked like the
 params of a late request: nothing is computed or streamed before it passed.
 """
@@ -147,17 +148,30 @@ class AwaitedPrefill:
 
 @dataclass(frozen=True)
 class ReadyNotice:
-    """A producer stage's word to a consumer stage: the prompt's KV of its layers is in these blocks."""
+    """A producer stage's word to a consumer stage: the KV of its layers for the prompt's first
+    `num_ready_tokens` tokens is in these blocks (one notice per prompt chunk). A void notice
+    (`num_ready_tokens` -1) says the producer preempted the request: what was read is void, the
+    chunks come again."""
 
     engine_id: str  # the producer's (no "|" in it)
     request_id: str  # the producer's request
     pp_rank: int  # the producer stage's
-    num_tokens: int  # of the prompt, all computed
-    block_ids: list[int]
+    num_tokens: int  # the prompt's
+    num_ready_tokens: int  # computed so far (== num_tokens: the whole prompt; -1: void)
+    block_ids: list[int]  # of the computed tokens, the last one maybe partly filled
+
+    @property
+    def is_void(self) -> bool:
+        return self.num_ready_tokens < 0
+
+    @property
+    def is_complete(self) -> bool:
+        return self.num_ready_tokens == self.num_tokens
 
     def encode(self) -> bytes:
         blocks = ",".join(map(str, self.block_ids))
-        return f"ready|{self.engine_id}|{self.request_id}|{self.pp_rank}|{self.num_tokens}|{blocks}".encode()
+        head = f"ready|{self.engine_id}|{self.request_id}"
+        return f"{head}|{self.pp_rank}|{self.num_tokens}|{self.num_ready_tokens}|{blocks}".encode()
 
     @staticmethod
     def decode(msg: bytes) -> "ReadyNotice | None":
@@ -166,8 +180,9 @@ class ReadyNotice:
             head, engine_id, rest = msg.decode().split("|", 2)
             if head != "ready":
                 return None
-            request_id, pp_rank, num_tokens, block_ids = rest.rsplit("|", 3)
-            return ReadyNotice(engine_id, request_id, int(pp_rank), int(num_tokens), [int(b) for b in block_ids.split(",") if b])
+            request_id, pp_rank, num_tokens, num_ready, block_ids = rest.rsplit("|", 4)
+            blocks = [int(b) for b in block_ids.split(",") if b]
+            return ReadyNotice(engine_id, request_id, int(pp_rank), int(num_tokens), int(num_ready), blocks)
         except ValueError:
             return None
 

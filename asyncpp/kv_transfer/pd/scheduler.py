@@ -29,7 +29,7 @@ its prompt's blocks allocated and one pull per stage awaiting the producer
 stages' word (`on_ready`); the request stays parked once loaded, until its
 signed params come (`accept_remote_prefill`). A producer request asked for
 with `decode_engine_id` has every stage tell that engine's stages where its
-prompt's KV is, right after the forward that completed it (a save).
+prompt's KV is, right after each forward that computed a chunk of it (a save).
 
 Both: every stage's handshake (`set_xfer_handshake_metadata_pp_aware`, any
 pp_size) makes this engine's `EngineHandshake`; a remote engine's handshake
@@ -248,15 +248,16 @@ class PDScheduler(KVConnectorScheduler):
                 self._release_unpulled(request)
                 if (at := self._first_token_at.pop(request.request_id, None)) is not None:
                     handover_at[request.request_id] = at  # its first step after an early handover
-            elif start < request.num_prompt_tokens <= start + num_tokens and _is_producer_params(request.kv_transfer_params):
+            elif start < request.num_prompt_tokens and _is_producer_params(request.kv_transfer_params):
                 decode_engine_id = request.kv_transfer_params.get(DECODE_ENGINE_ID)
-                if decode_engine_id is not None:  # this plan completes its prompt: tell the decode stages
-                    num_blocks = -(-request.num_prompt_tokens // self.ctx.block_size)
+                if decode_engine_id is not None:  # a chunk of its prompt: tell the decode stages once computed
+                    num_ready = min(start + num_tokens, request.num_prompt_tokens)
+                    num_blocks = -(-num_ready // self.ctx.block_size)
                     ready.append(
                         BlockTransfer(
                             request.request_id, list(plan.block_ids[request.request_id][:num_blocks]), [],
                             remote_engine_id=decode_engine_id, remote_request_id=request.request_id,
-                            num_tokens=request.num_prompt_tokens,
+                            num_tokens=request.num_prompt_tokens, num_ready_tokens=num_ready,
                         )  # fmt: skip
                     )
         transfers, self._unsent_transfers = self._unsent_transfers, []

@@ -55,7 +55,8 @@ class _Pull:
     handles: list = field(default_factory=list)
     notifs: list[tuple[str, bytes]] = field(default_factory=list)  # (agent, message) per producer stage read
     nbytes: int = 0
-    awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not heard from yet
+    awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not done yet
+    next_block: dict[int, int] = field(default_factory=dict)  # on_ready: producer stage -> its next prompt block to read
     started_at: float = field(default_factory=time.perf_counter)
     # A pull within a plan, once done (before its forward): when (time.time()), and how long it took.
     loaded_at: float | None = None
@@ -99,6 +100,7 @@ class PDWorker(KVConnectorWorker):
         self._early_notices: dict[str, list[ReadyNotice]] = {}
         self._early_since: dict[str, float] = {}
         self._dropped: dict[str, float] = {}
+        self._noticed: dict[str, str] = {}  # producer: request -> consumer engine told of some of its chunks
         self._stats = KVTransferStats()
         self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
 
@@ -195,33 +197,44 @@ class PDWorker(KVConnectorWorker):
         self._pulls[transfer.request_id] = pull
         try:
             for remote_rank, layers in self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer):
-                self._read(pull, remote_rank, layers, transfer.remote_block_ids)
+                notif = self._done_notif(pull, remote_rank)
+                self._read(pull, remote_rank, layers, transfer.block_ids, transfer.remote_block_ids, notif)
         except Exception as e:  # noqa: BLE001 - a pull that cannot start fails alone (recomputed)
             self.log.warning("kv_pull_failed", request_id=transfer.request_id, error=repr(e))
             self._end_pull(transfer.request_id, failed=True)
 
-    def _read(self, pull: _Pull, remote_rank: int, layers: tuple[int, int], remote_block_ids: list[int]) -> None:
-        """One NIXL read of this stage's `layers` held by one producer stage (a notification alone
-        when there are no blocks); the producer stage is notified when it is over."""
-        transfer = pull.transfer
-        engine_id = transfer.remote_engine_id
+    def _done_notif(self, pull: _Pull, remote_rank: int) -> bytes:
+        """What tells that producer stage this stage is done with the request (sent again if the pull
+        fails, so that it never waits for its timeout)."""
+        engine_id = pull.transfer.remote_engine_id
         info = self.topology.get_engine_info(engine_id, remote_rank)
         agent = self._agents[(engine_id, remote_rank)]
-        notif = notification(transfer.remote_request_id, self.pp_rank, self._readers_of(info))
+        notif = notification(pull.transfer.remote_request_id, self.pp_rank, self._readers_of(info))
+        pull.notifs.append((agent, notif))
+        return notif
+
+    def _read(
+        self, pull: _Pull, remote_rank: int, layers: tuple[int, int], block_ids: list[int], remote_block_ids: list[int],
+        notif: bytes,
+    ) -> None:  # fmt: skip
+        """One NIXL read of this stage's `layers` of these blocks held by one producer stage; `notif`
+        reaches it once the read is over (sent alone when there is nothing to read)."""
+        engine_id = pull.transfer.remote_engine_id
+        info = self.topology.get_engine_info(engine_id, remote_rank)
+        agent = self._agents[(engine_id, remote_rank)]
         runs = []
         for layer in range(*layers):
             for kind in ("k", "v"):
                 runs += block_runs(
-                    transfer.block_ids, remote_block_ids,
+                    block_ids, remote_block_ids,
                     self._bases[(layer, kind)], info.region(layer, kind).addr, self._block_nbytes,
                 )  # fmt: skip
         if runs:
             device = info.regions[0]
             pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
             pull.nbytes += sum(n for _, _, n in runs)
-        else:
+        elif notif:
             self.transport.send_notif(agent, notif)  # a release: nothing to read
-        pull.notifs.append((agent, notif))
 
     def _readers_of(self, info) -> int:
         return TransferTopology.readers_of(list(self.ctx.layer_ranges), info.start_layer, info.end_layer)
@@ -233,38 +246,56 @@ class PDWorker(KVConnectorWorker):
         self._pulls[transfer.request_id] = pull
         try:
             sources = self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer)
+            for rank, _ in sources:
+                self._done_notif(pull, rank)
         except Exception as e:  # noqa: BLE001 - the engine is gone meanwhile: fails alone
             self.log.warning("kv_pull_failed", request_id=transfer.request_id, error=repr(e))
             self._end_pull(transfer.request_id, failed=True)
             return
         pull.awaited_ranks = {rank for rank, _ in sources}
+        pull.next_block = {rank: transfer.remote_first_block for rank, _ in sources}
         self._awaiting[transfer.remote_request_id] = transfer.request_id
         self._early_since.pop(transfer.remote_request_id, None)
         for notice in self._early_notices.pop(transfer.remote_request_id, []):
             self._on_ready(notice)
 
     def _on_ready(self, notice: ReadyNotice) -> None:
-        """A producer stage's ready notice: start its read for the pull that awaits it."""
+        """A producer stage's ready notice: read the blocks it completed for the pull that awaits them."""
         request_id = self._awaiting.get(notice.request_id)
         pull = self._pulls.get(request_id) if request_id is not None else None
         if pull is None or pull.transfer.remote_engine_id != notice.engine_id:
             if notice.request_id in self._dropped:  # ended before the notice came: free its blocks there
-                self._release_remote(notice)
+                if notice.is_complete:
+                    self._release_remote(notice)
             else:
                 self._early_notices.setdefault(notice.request_id, []).append(notice)
                 self._early_since.setdefault(notice.request_id, time.monotonic())
             return
-        transfer = pull.transfer
-        if notice.pp_rank not in pull.awaited_ranks:
+        transfer, rank = pull.transfer, notice.pp_rank
+        if rank not in pull.awaited_ranks:
             return  # a duplicate, or a stage whose layers this one does not read
-        pull.awaited_ranks.discard(notice.pp_rank)
-        first, block_ids = transfer.remote_first_block, notice.block_ids
+        first = transfer.remote_first_block
+        if notice.is_void:  # the producer computes the prompt again: so are its chunks read again
+            pull.next_block[rank] = first
+            return
         try:
-            if notice.num_tokens != transfer.num_tokens or len(block_ids) < first + len(transfer.block_ids):
-                raise ValueError(f"the producer computed {notice.num_tokens} tokens in {len(block_ids)} blocks, "
-                                 f"this request's prompt has {transfer.num_tokens}")  # fmt: skip
-            sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
-            self._read(pull, notice.pp_rank, sources[notice.pp_rank], block_ids[first : first + len(transfer.block_ids)])
+            num_blocks = -(-notice.num_tokens // self.ctx.block_size)
+            if notice.num_tokens != transfer.num_tokens or len(notice.block_ids) > num_blocks:
+                raise ValueError(f"the producer's prompt has {notice.num_tokens} tokens in {num_blocks} blocks, "
+                                 f"this request's {transfer.num_tokens}")  # fmt: skip
+            # Blocks complete (every block once the whole prompt is): read those not read yet.
+            end = len(notice.block_ids) if notice.is_complete else notice.num_ready_tokens // self.ctx.block_size
+            start = pull.next_block[rank]
+            if end > start or notice.is_complete:
+                sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
+                notif = next(n for agent, n in pull.notifs if agent == self._agents[(notice.engine_id, rank)])
+                self._read(
+                    pull, rank, sources[rank], transfer.block_ids[start - first : end - first],
+                    notice.block_ids[start:end], notif if notice.is_complete else b"",
+                )  # fmt: skip
+                pull.next_block[rank] = max(start, end)
+            if notice.is_complete:
+                pull.awaited_ranks.discard(rank)
         except Exception as e:  # noqa: BLE001 - this pull fails alone (its request fails)
             self.log.warning("kv_pull_failed", request_id=request_id, error=repr(e))
             self._end_pull(request_id, failed=True)
@@ -289,22 +320,40 @@ class PDWorker(KVConnectorWorker):
 
     # ---- early handover (producer) ---------------------------------------------------------
     def save_kv(self, step_id: int) -> None:
-        """Producer: this step's forward completed these prompts' KV in this stage's layers: tell the
-        consumer stages that read them where they are."""
+        """Producer: this step's forward computed chunks of these prompts in this stage's layers: tell
+        the consumer stages that read them where they are."""
         if self.role != "producer" or not self.metadata.saves:
             return
         if any(region.is_cuda for region in self._regions):
             torch.cuda.current_stream().synchronize()  # the forward's writes are done before anyone reads
         for save in self.metadata.saves:
-            try:
-                readers = self.topology.sources_for(save.remote_engine_id, self.start_layer, self.end_layer)
-                notice = ReadyNotice(self.ctx.engine_id, save.request_id, self.pp_rank, save.num_tokens, save.block_ids).encode()
-                for rank, _ in readers:
-                    self.transport.send_notif(self._agents[(save.remote_engine_id, rank)], notice)
-            except Exception as e:  # noqa: BLE001 - the consumer pulls nothing: its load times out
-                self.log.warning("kv_ready_notice_failed", request_id=save.request_id, error=repr(e))
+            notice = ReadyNotice(
+                self.ctx.engine_id, save.request_id, self.pp_rank, save.num_tokens, save.num_ready_tokens, save.block_ids
+            )  # fmt: skip
+            self._send_notice(save.remote_engine_id, notice)
+            if notice.is_complete:
+                self._noticed.pop(save.request_id, None)
+            else:
+                self._noticed[save.request_id] = save.remote_engine_id
+
+    def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
+        """Producer: chunks told to consumers are void (their blocks are freed): they come again."""
+        for request_id in preempted_req_ids:
+            engine_id = self._noticed.pop(request_id, None)
+            if engine_id is not None:
+                self._send_notice(engine_id, ReadyNotice(self.ctx.engine_id, request_id, self.pp_rank, 0, -1, []))
+
+    def _send_notice(self, engine_id: str, notice: ReadyNotice) -> None:
+        try:
+            msg = notice.encode()
+            for rank, _ in self.topology.sources_for(engine_id, self.start_layer, self.end_layer):
+                self.transport.send_notif(self._agents[(engine_id, rank)], msg)
+        except Exception as e:  # noqa: BLE001 - the consumer pulls nothing: its load times out
+            self.log.warning("kv_ready_notice_failed", request_id=notice.request_id, error=repr(e))
 
     def get_finished(self, finished_req_ids: frozenset[str]) -> tuple[frozenset[str], frozenset[str]]:
+        for request_id in finished_req_ids:  # finished (aborted) mid-prompt: no chunk of it comes again
+            self._noticed.pop(request_id, None)
         sending = self._collect_notifications()
         for request_id in list(self._pulls):
             pull = self._pulls[request_id]
@@ -393,6 +442,7 @@ class PDWorker(KVConnectorWorker):
                 self._end_pull(request_id, failed=True)
                 self._finished_recving.discard(request_id)  # the wrapper reports it
             self._held.discard(request_id)
+            self._noticed.pop(request_id, None)
             self._readers.pop(request_id, None)
             self._first_notified_at.pop(request_id, None)
 

@@ -4,12 +4,16 @@ first token comes. Greedy output equals one engine's, every block comes back, fa
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from asyncpp.engine.engine import Engine
+from asyncpp.engine.outputs import Completion
+from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
-from tests.kv_transfer.pd.pd_harness import assert_idle, pd_pair_early, serve_pd_early
+from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair_early, serve_pd_early, start_early
 
 pytest.importorskip("nixl_cu12")
 
@@ -51,3 +55,154 @@ def test_early_handover_greedy_output_equals_one_engine(tiny_hf_dir, prompts, ex
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.mark.parametrize("chunk", [32, 24], ids=["block-aligned", "unaligned"])
+def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected, chunk):
+    """Each prefill chunk's blocks are read as soon as that chunk is computed (a chunk that ends
+    inside a block leaves it for the next notice); output is unchanged."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (1, 3), 3, (2, 1, 1), scheduler={"max_num_batched_tokens": chunk})
+    try:
+        prompt = prompts[-1]  # 100 tokens: several chunks
+        pid, cid = start_early(producer, consumer, prompt, GREEDY, "x")
+        consumer.step()  # admitted: every stage awaits the producer's notices
+        producer.step()  # the first chunk
+        consumer.step()  # polls: its blocks are read
+        workers = [r.kv_connector.connector for r in consumer.executor.runners]
+        first = chunk // 16  # whole blocks of the first chunk
+        assert [min(w._pulls[cid].next_block.values()) for w in workers] == [first] * 3
+        assert all(w._pulls[cid].awaited_ranks for w in workers)  # not done: more chunks come
+        consumer.abort(cid)
+        producer.abort(pid)
+        drain(producer, consumer, [])
+        assert_idle(producer, consumer)
+        completions = serve_pd_early(producer, consumer, prompts, GREEDY)
+        assert [c.token_ids for c in completions] == expected
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_request_stopped_at_its_first_token_aborts_nothing_held(tiny_hf_dir, prompts, expected):
+    """The prefill's token ends the request (a stop token): the producer holds nothing, the router
+    aborts the decode request, which frees its blocks and answers late notices."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 2, (3, 1))
+    try:
+        stop = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[expected[-1][0]])
+        pid, cid = start_early(producer, consumer, prompts[-1], stop, "s")
+        done = prefill_until_finished(producer, consumer, pid)
+        assert done.finish_reason == "stop" and done.kv_transfer_params is None
+        consumer.abort(cid)
+        drain(producer, consumer, [])
+        assert producer.scheduler.num_timed_out_transfers == 0
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_abort_while_awaiting_frees_blocks_on_both_sides(tiny_hf_dir, prompts, expected):
+    """The client goes while the prefill runs: the decode request is aborted before any notice, the
+    prefill finishes and holds its blocks; the consumer's stages answer the late notices, so the
+    producer frees them without waiting for its timeout. Both keep serving."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (3, 1), 2, (1, 3), kv_transfer={"pull_timeout_s": 60.0})
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "a")
+        consumer.step()
+        consumer.abort(cid)
+        drain(producer, consumer, [pid])
+        assert producer.scheduler.num_timed_out_transfers == 0
+        assert_idle(producer, consumer)
+        assert [c.token_ids for c in serve_pd_early(producer, consumer, prompts[-2:], GREEDY)] == expected[-2:]
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, expected):
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "f")
+        other_pid, other_cid = start_early(producer, consumer, prompts[-2], GREEDY, "g")
+        done, other = prefill_until_finished(producer, consumer, pid, other_pid)
+        good = done.kv_transfer_params
+        for params in (
+            {**good, "first_token_id": good["first_token_id"] + 1},  # altered: the signature fails
+            {**good, "remote_request_id": other_pid},  # another request's
+            [1, 2],
+        ):
+            with pytest.raises(InvalidRequestError, match="kv_transfer_params"):
+                consumer.add_remote_prefill(cid, params)
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            consumer.add_remote_prefill("nobody", good)
+        consumer.add_remote_prefill(cid, good)
+        with pytest.raises(InvalidRequestError, match="awaits no remote prefill"):
+            consumer.add_remote_prefill(cid, good)  # twice
+        consumer.add_remote_prefill(other_cid, other.kv_transfer_params)
+        rests = drain(producer, consumer, [cid, other_cid])
+        assert done.token_ids + rests[cid].token_ids == expected[-1]
+        assert other.token_ids + rests[other_cid].token_ids == expected[-2]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_awaited_params_are_checked_at_admission(tiny_hf_dir, prompts):
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
+    try:
+        awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": "r"}
+        for params in (
+            {**awaited, "remote_engine_id": "nobody"},
+            {**awaited, "remote_request_id": 7},
+            {**awaited, "extra": 1},
+            {**awaited, "do_remote_prefill": "yes"},
+        ):
+            with pytest.raises(InvalidRequestError, match="kv_transfer_params"):
+                consumer.add_request(prompts[0], GREEDY, kv_transfer_params=params)
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            consumer.add_request(prompts[0], SamplingParams(max_tokens=1), kv_transfer_params=awaited)
+        with pytest.raises(InvalidRequestError, match="decode_engine_id"):
+            producer.add_request(prompts[0], GREEDY, kv_transfer_params={"do_remote_decode": True, "decode_engine_id": "x"})
+        assert not consumer.has_unfinished_requests() and not producer.has_unfinished_requests()
+        drain(producer, consumer, [])
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_first_token_that_never_comes_fails_the_request(tiny_hf_dir, prompts, expected):
+    """The producer computed the prompt and the consumer read it, but the params never come (the
+    router died): the request fails after load_timeout_s, its blocks come back; others go on."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, (), kv_transfer={"load_timeout_s": 0.5})
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "t")
+        prefill_until_finished(producer, consumer, pid)
+        other = consumer.add_request(prompts[3], GREEDY)
+        outs = {}
+        deadline = time.monotonic() + 10
+        while (consumer.has_unfinished_requests() or producer.has_pending_transfers()) and time.monotonic() < deadline:
+            for engine in (consumer, producer):
+                for out in engine.step():
+                    outs.setdefault(out.request_id, []).append(out)
+        assert outs[cid][-1].finish_reason == "error" and "first token" in outs[cid][-1].error
+        assert [t for o in outs[other] for t in o.token_ids] == expected[3]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def prefill_until_finished(producer: Engine, consumer: Engine, *pids: str, max_steps: int = 1000):
+    """Step both (the consumer polls for the notices) until the producer's requests finished."""
+    done = {pid: Completion(pid) for pid in pids}
+    for _ in range(max_steps):
+        for out in producer.step():
+            if out.request_id in done:
+                done[out.request_id].add(out)
+        consumer.step()
+        if all(c.finish_reason is not None for c in done.values()):
+            return done[pids[0]] if len(pids) == 1 else [done[pid] for pid in pids]
+    raise AssertionError("the producer did not finish")
