@@ -206,3 +206,31 @@ def prefill_until_finished(producer: Engine, consumer: Engine, *pids: str, max_s
         if all(c.finish_reason is not None for c in done.values()):
             return done[pids[0]] if len(pids) == 1 else [done[pid] for pid in pids]
     raise AssertionError("the producer did not finish")
+
+
+def test_a_producer_preemption_voids_what_was_read(tiny_hf_dir, prompts, expected):
+    """The producer preempts a request after its first chunk was read (its blocks are freed and may be
+    reused meanwhile): a void notice makes every consumer stage read every chunk again. Shown by
+    zeroing what the consumer read before: the output is still exact."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (1, 3), 2, (3, 1), scheduler={"max_num_batched_tokens": 32})
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "v")
+        consumer.step()  # admitted: awaiting
+        producer.step()  # the first chunk (2 blocks)
+        consumer.step()  # read
+        block_ids = consumer.block_manager.block_ids(cid)[:2]
+        for runner in consumer.executor.runners:
+            assert min(runner.kv_connector.connector._pulls[cid].next_block.values()) == 2
+            for k, v in runner.kv_caches:
+                for b in block_ids:
+                    k[b * 16 : (b + 1) * 16].zero_()
+                    v[b * 16 : (b + 1) * 16].zero_()
+        producer.scheduler._preempt(producer.scheduler.get_request(pid))  # as when it runs out of blocks
+        first = prefill_until_finished(producer, consumer, pid)
+        consumer.add_remote_prefill(cid, first.kv_transfer_params)
+        rest = drain(producer, consumer, [cid])[cid]
+        assert first.token_ids + rest.token_ids == expected[-1]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
