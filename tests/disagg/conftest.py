@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -48,25 +49,12 @@ def make_router(prefill: FakeEngine, decode: FakeEngine, **health) -> PDRouter:
     return PDRouter(queue, EngineLink("prefill", prefill.address, **health), EngineLink("decode", decode.address, **health))
 
 
-@pytest.fixture
-async def pd():
+@contextlib.asynccontextmanager
+async def serving(decode_handshake: EngineHandshake | None):
     """Fake engines (the prefill one publishes a handshake) and a connected, serving router with
     the default health settings (a check every 0.5 s, 1 s timeout)."""
-    setup = RouterSetup(FakeEngine("prefill", PREFILL_HANDSHAKE).start(), FakeEngine("decode").start(), None)
-    setup.router = make_router(setup.prefill, setup.decode)
-    await setup.router.connect(5.0)
-    setup.serving = asyncio.create_task(setup.router.serve())
-    try:
-        yield setup
-    finally:
-        await setup.close()
-
-
-@pytest.fixture
-async def pd_early():
-    """As `pd`, with both engines publishing handshakes: the router hands over early."""
     setup = RouterSetup(
-        FakeEngine("prefill", PREFILL_HANDSHAKE).start(), FakeEngine("decode", DECODE_HANDSHAKE).start(), None
+        FakeEngine("prefill", PREFILL_HANDSHAKE).start(), FakeEngine("decode", decode_handshake).start(), None
     )
     setup.router = make_router(setup.prefill, setup.decode)
     await setup.router.connect(5.0)
@@ -75,6 +63,20 @@ async def pd_early():
         yield setup
     finally:
         await setup.close()
+
+
+@pytest.fixture
+async def pd():
+    """The decode engine publishes no handshake: the router hands over after the prefill."""
+    async with serving(None) as setup:
+        yield setup
+
+
+@pytest.fixture
+async def pd_early():
+    """Both engines publish handshakes: the router hands over early."""
+    async with serving(DECODE_HANDSHAKE) as setup:
+        yield setup
 
 
 async def until(is_done: Callable[[], bool], timeout_s: float = 5.0, what: str = "condition") -> float:

@@ -12,36 +12,13 @@ from asyncpp.engine.engine import Engine
 from asyncpp.engine.outputs import Completion
 from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
-from tests.conftest import tiny_config, tiny_prompts
 from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair_early, serve_pd_early, start_early
+from tests.kv_transfer.pd.test_pd_engine import GREEDY, PAIRS, expected, prompts  # noqa: F401  (module fixtures)
 
 pytest.importorskip("nixl_cu12")
 
-GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-PAIRS = [
-    ((1, ()), (1, ())),
-    ((2, (1, 3)), (3, (2, 1, 1))),
-    ((3, (1, 1, 2)), (1, ())),
-    ((2, (3, 1)), (2, (1, 3))),
-]
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return tiny_prompts(300, 8) + [[(5 * i) % 290 + 7 for i in range(100)]]
-
-
-@pytest.fixture(scope="module")
-def expected(tiny_hf_dir, prompts):
-    engine = Engine(tiny_config(tiny_hf_dir))
-    try:
-        return [c.token_ids for c in engine.generate(prompts, GREEDY)]
-    finally:
-        engine.close()
-
-
 @pytest.mark.parametrize("prefill_side,decode_side", PAIRS, ids=lambda p: f"pp{p[0]}")
-def test_early_handover_greedy_output_equals_one_engine(tiny_hf_dir, prompts, expected, prefill_side, decode_side):
+def test_early_handover_greedy_output_equals_one_engine(tiny_hf_dir, prompts, expected, prefill_side, decode_side):  # noqa: F811
     producer, consumer = pd_pair_early(tiny_hf_dir, *prefill_side, *decode_side)
     try:
         completions = serve_pd_early(producer, consumer, prompts, GREEDY)
@@ -58,7 +35,7 @@ def test_early_handover_greedy_output_equals_one_engine(tiny_hf_dir, prompts, ex
 
 
 @pytest.mark.parametrize("chunk", [32, 24], ids=["block-aligned", "unaligned"])
-def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected, chunk):
+def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected, chunk):  # noqa: F811
     """Each prefill chunk's blocks are read as soon as that chunk is computed (a chunk that ends
     inside a block leaves it for the next notice); output is unchanged."""
     producer, consumer = pd_pair_early(tiny_hf_dir, 2, (1, 3), 3, (2, 1, 1), scheduler={"max_num_batched_tokens": chunk})
@@ -84,7 +61,7 @@ def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected,
         producer.close()
 
 
-def test_a_request_stopped_at_its_first_token_aborts_nothing_held(tiny_hf_dir, prompts, expected):
+def test_a_request_stopped_at_its_first_token_aborts_nothing_held(tiny_hf_dir, prompts, expected):  # noqa: F811
     """The prefill's token ends the request (a stop token): the producer holds nothing, the router
     aborts the decode request, which frees its blocks and answers late notices."""
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 2, (3, 1))
@@ -102,7 +79,7 @@ def test_a_request_stopped_at_its_first_token_aborts_nothing_held(tiny_hf_dir, p
         producer.close()
 
 
-def test_abort_while_awaiting_frees_blocks_on_both_sides(tiny_hf_dir, prompts, expected):
+def test_abort_while_awaiting_frees_blocks_on_both_sides(tiny_hf_dir, prompts, expected):  # noqa: F811
     """The client goes while the prefill runs: the decode request is aborted before any notice, the
     prefill finishes and holds its blocks; the consumer's stages answer the late notices, so the
     producer frees them without waiting for its timeout. Both keep serving."""
@@ -120,7 +97,7 @@ def test_abort_while_awaiting_frees_blocks_on_both_sides(tiny_hf_dir, prompts, e
         producer.close()
 
 
-def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, expected):
+def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, expected):  # noqa: F811
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
     try:
         pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "f")
@@ -149,7 +126,7 @@ def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, 
         producer.close()
 
 
-def test_awaited_params_are_checked_at_admission(tiny_hf_dir, prompts):
+def test_awaited_params_are_checked_at_admission(tiny_hf_dir, prompts):  # noqa: F811
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
     try:
         awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": "r"}
@@ -173,7 +150,7 @@ def test_awaited_params_are_checked_at_admission(tiny_hf_dir, prompts):
         producer.close()
 
 
-def test_a_first_token_that_never_comes_fails_the_request(tiny_hf_dir, prompts, expected):
+def test_a_first_token_that_never_comes_fails_the_request(tiny_hf_dir, prompts, expected):  # noqa: F811
     """The producer computed the prompt and the consumer read it, but the params never come (the
     router died): the request fails after load_timeout_s, its blocks come back; others go on."""
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, (), kv_transfer={"load_timeout_s": 0.5})
@@ -208,7 +185,7 @@ def prefill_until_finished(producer: Engine, consumer: Engine, *pids: str, max_s
     raise AssertionError("the producer did not finish")
 
 
-def test_a_producer_preemption_voids_what_was_read(tiny_hf_dir, prompts, expected):
+def test_a_producer_preemption_voids_what_was_read(tiny_hf_dir, prompts, expected):  # noqa: F811
     """The producer preempts a request after its first chunk was read (its blocks are freed and may be
     reused meanwhile): a void notice makes every consumer stage read every chunk again. Shown by
     zeroing what the consumer read before: the output is still exact."""
