@@ -195,6 +195,8 @@ class PDWorker(KVConnectorWorker):
     def _start_pull(self, transfer: BlockTransfer) -> None:
         pull = _Pull(transfer)
         self._pulls[transfer.request_id] = pull
+        if not transfer.block_ids:  # a release: notices still to come for it are answered, not kept
+            self._dropped[transfer.remote_request_id] = time.monotonic()
         try:
             for remote_rank, layers in self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer):
                 notif = self._done_notif(pull, remote_rank)

@@ -211,3 +211,19 @@ def test_a_producer_preemption_voids_what_was_read(tiny_hf_dir, prompts, expecte
     finally:
         consumer.close()
         producer.close()
+
+
+def test_prefix_hits_on_the_decode_side_read_only_the_rest(tiny_hf_dir, prompts, expected):  # noqa: F811
+    """The same prompts again: the decode engine's prefix cache has their first blocks, so its stages
+    read only the blocks after them (from the producer's block ids past the hit); output is exact."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (1, 3), 2, (3, 1), scheduler={"max_num_batched_tokens": 32})
+    try:
+        assert [c.token_ids for c in serve_pd_early(producer, consumer, prompts, GREEDY)] == expected
+        pulled = consumer.kv_connector.stats()["pd_num_pulled_tokens"]
+        assert [c.token_ids for c in serve_pd_early(producer, consumer, prompts, GREEDY)] == expected
+        hits = consumer.stats()["num_prefix_cache_hit_tokens"]
+        assert hits > 0 and consumer.kv_connector.stats()["pd_num_pulled_tokens"] - pulled == pulled - hits
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
