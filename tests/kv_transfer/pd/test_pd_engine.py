@@ -9,7 +9,7 @@ from asyncpp.engine.engine import Engine
 from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
-from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd
+from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd, serve_pd_early
 
 pytest.importorskip("nixl_cu12")
 
@@ -194,6 +194,7 @@ def test_real_model_prefill_pp2_decode_pp1_is_token_exact():
     consumer = Engine(config(1, connector="pd", kv_role="consumer", engine_id="decode"))
     try:
         consumer.kv_connector.add_remote_engine(producer.kv_connector.engine_handshake())
+        producer.kv_connector.add_remote_engine(consumer.kv_connector.engine_handshake())
         completions = serve_pd(producer, consumer, chats, params)
         assert [c.token_ids for c in completions] == expected
         stats = consumer.kv_connector.stats()
@@ -201,6 +202,10 @@ def test_real_model_prefill_pp2_decode_pp1_is_token_exact():
         # prefix cache and release what the prefill engine holds for them.
         assert stats["pd_num_pulled_tokens"] >= 96
         assert stats["pd_num_pulls"] + stats["pd_num_released_unpulled"] == 3
+        assert_idle(producer, consumer)
+        # Early handover (the router's default), the same chats again: read while they are computed.
+        assert [c.token_ids for c in serve_pd_early(producer, consumer, chats, params)] == expected
+        assert consumer.kv_connector.stats()["pd_num_early_handovers"] == 3
         assert_idle(producer, consumer)
     finally:
         consumer.close()
