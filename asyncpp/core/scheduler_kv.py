@@ -25,7 +25,8 @@ pending, `has_pending_transfers` is False and the engine stops polling.
 
 A request that awaits its first token from a remote engine
 (`Request.awaits_remote_tokens`, early prefill/decode handover) may load its
-whole prompt; once loaded it is parked until the token comes
+whole prompt, once that leaves every running request a free block to grow
+into (`_has_room_to_await`); once loaded it is parked until the token comes
 (`add_remote_tokens`), and it is never computed without it. A token that
 does not come within `load_timeout_s` of the request's arrival fails it.
 """
@@ -164,6 +165,8 @@ class KVTransferScheduling:
                 "it must offer whole blocks (or end at the prompt's end) and leave at least one token to compute "
                 "(a request awaiting its remote first token loads asynchronously)"
             )
+        if request.awaits_remote_tokens and not self._has_room_to_await(num_hit_tokens, num_loaded_to):
+            return None
         block_ids = self._block_manager.allocate_for_load(
             request_id, token_ids, num_hit_tokens, hit_block_ids, num_external
         )
@@ -185,6 +188,14 @@ class KVTransferScheduling:
         request.num_computed_tokens = num_hit_tokens
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
+
+    def _has_room_to_await(self, num_hit_tokens: int, num_loaded_to: int) -> bool:
+        """Blocks for a prompt a remote engine is still computing, if every running request keeps one
+        free block to grow into: a request waiting for its prefill (it cannot be preempted while it
+        loads) must not take the blocks the decoding ones need next."""
+        block_size = self._block_manager.block_size
+        num_needed = -(-num_loaded_to // block_size) - num_hit_tokens // block_size
+        return self._block_manager.num_free_blocks - num_needed >= len(self._queues.running)
 
     def _start_sync_load(self, request: Request, block_ids: list[int], num_hit_tokens: int, num_external: int) -> None:
         """A load within the plan being built: every stage finishes it before that plan's forward,

@@ -227,3 +227,31 @@ def test_prefix_hits_on_the_decode_side_read_only_the_rest(tiny_hf_dir, prompts,
     finally:
         consumer.close()
         producer.close()
+
+
+def test_awaiting_a_prefill_leaves_running_requests_a_block_each(tiny_hf_dir):
+    """The decode engine gives an awaited prompt its blocks only if every running request keeps a free
+    block to grow into: a wait for a prefill never takes what a decode needs next."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, (), cache={"block_size": 16, "kv_cache_memory_mb": 1})
+    try:
+        running = []
+        while consumer.block_manager.num_free_blocks > 16:  # an awaited prompt fits max_model_len
+            running.append(consumer.add_request([5 + len(running)] * 100, GREEDY))  # 7 blocks, room to 112 tokens
+            consumer.step()
+        free = consumer.block_manager.num_free_blocks
+        assert consumer.scheduler.num_running == len(running) >= 2 and free >= 3
+        awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": "p"}
+        consumer.add_request([200] * ((free - 1) * 16 - 3), GREEDY, "c", awaited)  # needs all but one free block
+        consumer.step()
+        assert consumer.scheduler.num_waiting_for_remote_kvs == 0  # it would leave one block for them all
+        consumer.abort(running[0])
+        consumer.step()
+        assert consumer.scheduler.num_waiting_for_remote_kvs == 1
+        assert consumer.scheduler.stats().num_preemptions == 0
+        for request_id in ["c", *running[1:]]:
+            consumer.abort(request_id)
+        drain(producer, consumer, [])
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
