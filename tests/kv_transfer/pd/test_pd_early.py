@@ -255,3 +255,56 @@ def test_awaiting_a_prefill_leaves_running_requests_a_block_each(tiny_hf_dir):
     finally:
         consumer.close()
         producer.close()
+
+
+def run_producer(producer: Engine, pid: str, max_steps: int = 1000) -> Completion:
+    """Step the producer alone (the consumer's stages do not poll meanwhile)."""
+    done = Completion(pid)
+    for _ in range(max_steps):
+        for out in producer.step():
+            if out.request_id == pid:
+                done.add(out)
+        if done.finish_reason is not None:
+            return done
+    raise AssertionError("the producer did not finish")
+
+
+def test_a_token_that_comes_before_the_pull_ends_is_computed_in_the_next_plan(tiny_hf_dir, prompts, expected):  # noqa: F811
+    """The consumer's stages have not read the prompt when its token comes: the next plan computes
+    the request anyway, every stage finishing the read first (no round trip to report it)."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (1, 3), 2, (3, 1))
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "n")
+        consumer.step()  # admitted: every stage awaits the notices
+        first = run_producer(producer, pid)
+        consumer.add_remote_prefill(cid, first.kv_transfer_params)
+        [out] = [o for o in consumer.step() if o.request_id == cid]
+        assert out.token_ids == expected[-1][1:2]
+        rest = drain(producer, consumer, [cid])[cid]
+        assert first.token_ids + out.token_ids + rest.token_ids == expected[-1]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_a_pull_that_fails_within_the_plan_fails_its_request_alone(tiny_hf_dir, prompts, expected):  # noqa: F811
+    from asyncpp.transport.nixl_agent import TransferState
+
+    producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 2, (3, 1))
+    try:
+        pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "x")
+        consumer.step()
+        first = run_producer(producer, pid)
+        for runner in consumer.executor.runners:
+            runner.kv_connector.connector.transport.poll = lambda handle: TransferState.FAILED
+        consumer.add_remote_prefill(cid, first.kv_transfer_params)
+        other = consumer.add_request(prompts[3], GREEDY)
+        outs = drain(producer, consumer, [cid, other])
+        assert outs[cid].finish_reason == "error" and "failed to load" in outs[cid].error
+        assert outs[cid].token_ids == []  # nothing computed from KV that never came
+        assert outs[other].token_ids == expected[3]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
