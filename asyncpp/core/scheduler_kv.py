@@ -28,12 +28,7 @@ A request that awaits its first token from a remote engine
 whole prompt, once that leaves every running request a free block to grow
 into (`_has_room_to_await`); once loaded it is parked until the token comes
 (`add_remote_tokens`), and it is never computed without it. A token that
-comes while the load is still under way, with a connector that
-`finishes_loads_in_plan`, makes it schedulable at once as if loaded: the
-plan that computes it names the load (`finish_load_ids`), every stage
-finishes it before that forward, and if it failed the request fails (its
-output of that plan is dropped). A token that does not come within
-`load_timeout_s` of the request's arrival fails it.
+does not come within `load_timeout_s` of the request's arrival fails it.
 """
 
 from __future__ import annotations
@@ -83,10 +78,6 @@ class KVTransferScheduling:
         self._sync_loads: dict[str, tuple[int, list[int]]] = {}
         self._failed_requests: list[tuple[str, str]] = []  # (request, why) for the engine to fail
         self._parked: dict[str, Request] = {}  # loaded, awaiting their remote first token
-        # Loads finished within the plan that computes their request (until every stage reported
-        # them): request -> the blocks they fill; and those some plan named already.
-        self._loads_in_plan: dict[str, list[int]] = {}
-        self._named_in_plan: set[str] = set()
         self._token_deadlines: dict[str, float] = {}  # awaiting a remote first token, until then
         self._recompute_ids: set[str] = set()  # read KV a load within a plan failed to bring
         self.num_external_hit_tokens = 0  # loaded by the connector instead of computed
@@ -115,7 +106,6 @@ class KVTransferScheduling:
         worth polling for at once. Held blocks alone only wait to be freed."""
         return bool(
             self._waiting_for_remote
-            or self._loads_in_plan
             or self._unsent_aborted
             or (self.connector is not None and self.connector.has_unsent_metadata())
         )
@@ -124,7 +114,6 @@ class KVTransferScheduling:
         """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
         return bool(
             self._waiting_for_remote
-            or self._loads_in_plan
             or self._held
             or self._token_deadlines
             or self._unsent_aborted
@@ -144,11 +133,10 @@ class KVTransferScheduling:
     def _is_loading(self, request_id: str) -> bool:
         """Waited for by the scheduler: an async load, or a load within a plan not back yet (its
         report tells the connector the load has ended)."""
-        return request_id in self._waiting_for_remote or request_id in self._sync_loads or request_id in self._loads_in_plan
+        return request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _holds_blocks(self, request: Request) -> bool:
-        request_id = request.request_id
-        return request_id in self._held or request_id in self._waiting_for_remote or request_id in self._loads_in_plan
+        return request.request_id in self._held or request.request_id in self._waiting_for_remote
 
     def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool | None:
         """Ask the connector for more of the prefix: True if the request now waits for an async load,
@@ -232,23 +220,19 @@ class KVTransferScheduling:
             del self._sync_loads[request_id]
             self._invalid_block_ids.difference_update(block_ids)  # reported for this load only
             bad = invalid_block_ids.intersection(block_ids)
-            if bad:
-                self._load_in_plan_failed(request_id, block_ids, bad)
-
-    def _load_in_plan_failed(self, request_id: str, block_ids: list[int], bad: set[int]) -> None:
-        """A load finished within a plan that computed its request failed: the request (and any that
-        hit those blocks meanwhile) fails, or is computed again from scratch."""
-        self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
-        self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
-        policy = self.connector.load_failure_policy
-        self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad), policy=policy)
-        affected = self._discard_blocks(request_id, block_ids)
-        if policy == "fail":
-            why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
-            self._failed_requests.extend((affected_id, why) for affected_id in affected)
-        else:  # recomputed from scratch once no plan computing it is in flight
-            self._recompute_ids.update(affected)
-            self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
+            if not bad:
+                continue
+            self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
+            self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
+            policy = self.connector.load_failure_policy
+            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad), policy=policy)
+            affected = self._discard_blocks(request_id, block_ids)
+            if policy == "fail":
+                why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
+                self._failed_requests.extend((affected_id, why) for affected_id in affected)
+            else:  # recomputed from scratch once no plan computing it is in flight
+                self._recompute_ids.update(affected)
+                self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
 
     def _take_recompute(self, request: Request) -> bool:
         """The request read KV that never arrived (a failed load within a plan): drop what this
@@ -310,10 +294,6 @@ class KVTransferScheduling:
         if self._unsent_held or self._unsent_aborted:
             metadata = dataclasses.replace(metadata, held_req_ids=self._unsent_held, aborted_req_ids=self._unsent_aborted)
             self._unsent_held, self._unsent_aborted = [], []
-        finish = [r.request_id for r in step.cohort if r.request_id in self._loads_in_plan and r.request_id not in self._named_in_plan]
-        if finish:
-            self._named_in_plan.update(finish)
-            metadata = dataclasses.replace(metadata, finish_load_ids=finish)
         return metadata
 
     def _expire_transfers(self) -> None:
@@ -328,8 +308,8 @@ class KVTransferScheduling:
         for kind, deadlines in (("load", self._load_deadlines), ("send", self._send_deadlines)):
             for request_id in [r for r, deadline in deadlines.items() if now >= deadline]:
                 del deadlines[request_id]
-                if kind == "load":  # recompute them all (fail its request, if within a plan)
-                    self._invalid_block_ids.update(self._load_block_ids.get(request_id) or self._loads_in_plan[request_id])
+                if kind == "load":
+                    self._invalid_block_ids.update(self._load_block_ids[request_id])  # recompute them all
                 else:
                     self._untrusted_sends.add(request_id)
                 if request_id not in self._unsent_aborted:
@@ -355,9 +335,6 @@ class KVTransferScheduling:
 
     def _finish_load(self, request_id: str) -> None:
         """Every stage loaded (or failed to load) the request's blocks: it may be scheduled again."""
-        if request_id in self._loads_in_plan:
-            self._finish_load_in_plan_reported(request_id)
-            return
         request = self._waiting_for_remote.pop(request_id, None)
         if request is None:
             return
@@ -401,37 +378,6 @@ class KVTransferScheduling:
         if self._parked.pop(request_id, None) is not None:
             request.status = RequestStatus.WAITING
             self._queues.requeue(request)
-        elif request_id in self._waiting_for_remote and self.connector.finishes_loads_in_plan:
-            self._finish_load_in_plan(request)
-
-    def _finish_load_in_plan(self, request: Request) -> None:
-        """Its load is under way: schedule it as loaded; the plan computing it has every stage finish
-        the load first (`finish_load_ids`), and `_finish_load` checks the stages' report."""
-        request_id = request.request_id
-        del self._waiting_for_remote[request_id]  # its load deadline stays
-        block_ids = self._load_block_ids.pop(request_id)
-        load_end = self._load_ends.pop(request_id)
-        num_loaded = min(len(block_ids) * self._block_manager.block_size, load_end - request.num_computed_tokens)
-        self._loads_in_plan[request_id] = block_ids
-        request.num_computed_tokens += num_loaded
-        self.num_external_hit_tokens += num_loaded
-        request.status = RequestStatus.WAITING
-        self._queues.requeue(request)
-
-    def _finish_load_in_plan_reported(self, request_id: str) -> None:
-        """Every stage reported a load it finished within a plan (or before): a failed one is handled
-        as a failed load within a plan (`load_failure_policy`)."""
-        block_ids = self._loads_in_plan.pop(request_id)
-        self._named_in_plan.discard(request_id)
-        self._load_deadlines.pop(request_id, None)
-        bad = self._invalid_block_ids.intersection(block_ids)
-        self._invalid_block_ids.difference_update(block_ids)
-        request = self._requests[request_id]  # type: ignore[attr-defined]
-        if request.is_finished:
-            self._release_blocks(request)
-            return
-        if bad:
-            self._load_in_plan_failed(request_id, block_ids, set(bad))
 
     def _release_blocks(self, request: Request) -> None:
         """A finished request's blocks go once no transfer holds them; it is forgotten once nothing does.
@@ -439,8 +385,7 @@ class KVTransferScheduling:
         engine that will never send (a prefill that ended too)."""
         if self._holds_blocks(request):
             request_id = request.request_id
-            is_loading = request_id in self._waiting_for_remote or request_id in self._loads_in_plan
-            if is_loading and request_id not in self._unsent_aborted:
+            if request_id in self._waiting_for_remote and request_id not in self._unsent_aborted:
                 self._load_deadlines.pop(request_id, None)
                 self._unsent_aborted.append(request_id)
             return
@@ -450,8 +395,6 @@ class KVTransferScheduling:
 
     def _forget_transfers(self, request_id: str) -> None:
         self._parked.pop(request_id, None)
-        self._loads_in_plan.pop(request_id, None)
-        self._named_in_plan.discard(request_id)
         self._token_deadlines.pop(request_id, None)
         self._asked_again_since.pop(request_id, None)
         self._sync_loads.pop(request_id, None)

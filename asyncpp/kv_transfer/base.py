@@ -182,10 +182,6 @@ class KVConnectorScheduler(ABC):
     # A load within a plan (offered with load_async False) that fails: "recompute" the requests that
     # read its blocks from scratch, or "fail" them with an error.
     load_failure_policy = "recompute"
-    # Its stages can finish an async load bound by an earlier plan before a later plan's forward
-    # (`KVConnectorMetadata.finish_load_ids`): a request awaiting remote tokens whose load is still
-    # under way when they come is then computed at once, its load finished within that plan.
-    finishes_loads_in_plan = False
 
     @property
     def send_timeout_s(self) -> float:

@@ -65,15 +65,12 @@ class KVConnectorMetadata:
     # Requests this plan computes for the first time after a remote prefill whose KV was loaded
     # before: when their first token was sampled there (for the stages' `handover_s`).
     handover_at: dict[str, float] = field(default_factory=dict)
-    # Set by the engine, for a connector that `finishes_loads_in_plan`: loads bound by an earlier
-    # plan that every stage finishes before this plan's forward, which computes their requests.
-    finish_load_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids
-            or self.remote_engines or self.handover_at or self.finish_load_ids
+            or self.remote_engines or self.handover_at
         )  # fmt: skip
 
 

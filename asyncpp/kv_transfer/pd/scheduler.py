@@ -66,7 +66,6 @@ ROLES = ("producer", "consumer")
 
 class PDScheduler(KVConnectorScheduler):
     load_failure_policy = "fail"  # a pull that fails (the producer is gone) fails its request
-    finishes_loads_in_plan = True  # a stage waits for an awaited pull's reads before the forward
     def __init__(self, ctx: ConnectorContext) -> None:
         super().__init__(ctx)
         if ctx.kv_role not in ROLES:

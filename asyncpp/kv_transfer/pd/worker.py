@@ -165,31 +165,25 @@ class PDWorker(KVConnectorWorker):
             self._held.update(metadata.held_req_ids)
 
     def start_load_kv(self, step_id: int) -> None:
+        if self.metadata.handover_at:  # these requests' first forward after an early handover starts now
+            now = time.time()
+            handover_s = {request_id: now - at for request_id, at in self.metadata.handover_at.items()}
+            self._stats = self._stats + KVTransferStats(handover_s=handover_s)
         for transfer in self.metadata.loads:
             if transfer.on_ready:
                 self._await_pull(transfer)
                 continue
             self._start_pull(transfer)
-        for request_id in [t.request_id for t in self.metadata.loads if t.is_sync] + self.metadata.finish_load_ids:
-            self._wait_pull(request_id)
-        if self.metadata.handover_at:  # these requests' first forward after an early handover starts now
-            now = time.time()
-            handover_s = {request_id: now - at for request_id, at in self.metadata.handover_at.items()}
-            self._stats = self._stats + KVTransferStats(handover_s=handover_s)
+        for transfer in self.metadata.loads:
+            if transfer.is_sync:
+                self._wait_pull(transfer.request_id)
 
     def _wait_pull(self, request_id: str) -> None:
         """A pull within this plan: its blocks are read before the forward (on CPU a NIXL read of
         host memory is done when posted; elsewhere poll it, up to `load_timeout_s`)."""
         pull = self._pulls.get(request_id)
         deadline = time.monotonic() + self.ctx.load_timeout_s
-        while pull is not None and (
-            pull.awaited_ranks or any(self.transport.poll(h) is TransferState.RUNNING for h in pull.handles)
-        ):
-            if pull.awaited_ranks:  # an awaited pull: its notices start its reads
-                self._collect_notifications()
-                pull = self._pulls.get(request_id)  # a read that cannot start ends the pull
-                if pull is None or not pull.awaited_ranks:
-                    continue
+        while pull is not None and any(self.transport.poll(h) is TransferState.RUNNING for h in pull.handles):
             if time.monotonic() > deadline:
                 self.log.warning("kv_pull_timed_out", request_id=request_id, timeout_s=self.ctx.load_timeout_s)
                 self._end_pull(request_id, failed=True)
