@@ -18,13 +18,14 @@ handover (`KVTransferStats.handover_s`): from the producer's first token
 within a plan is the start of the forward that uses them. A release (nothing to pull) sends the
 notifications alone.
 
-Early handover: a pull bound `on_ready` starts no read until the producer
-stages send a ready notice (`params.ReadyNotice`: the prompt's blocks
-there), each from `save_kv` right after the forward that completed the
-prompt's KV in its layers (on CUDA once that forward is done); each notice
-starts that producer stage's read at once. Notices may arrive before the
-pull is bound: they wait up to `pull_timeout_s`, then the producer is told
-nobody reads (as for a pull that ended before its notice came).
+Early handover: a pull bound `on_ready` reads as the producer stages send
+ready notices (`params.ReadyNotice`), each from `save_kv` right after a
+forward that computed a chunk of the prompt in its layers (on CUDA once that
+forward is done): every notice starts a read of the blocks it completed, and
+the one for the whole prompt carries the notification. A void notice (the
+producer preempted the request) makes every chunk be read again. Notices may
+arrive before the pull is bound: they wait up to `pull_timeout_s`, then the
+producer is told nobody reads (as for a pull that ended before its notice came).
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
 once as many consumer stages as read this stage's layers have notified it
@@ -93,9 +94,9 @@ class PDWorker(KVConnectorWorker):
         self._held: set[str] = set()  # producer: held by the engine, not reported yet
         self._readers: dict[str, dict[int, int]] = {}  # producer: request -> consumer pp_rank -> readers
         self._first_notified_at: dict[str, float] = {}
-        # Consumer, early handover: remote request -> (local request, its pull awaiting notices);
-        # notices no pull awaits yet (remote request -> [(pp_rank, tokens, blocks)], first seen);
-        # remote requests whose pull ended before every notice came (until pull_timeout_s).
+        # Consumer, early handover: remote request -> the local request whose pull awaits notices;
+        # notices no pull awaits yet (remote request -> them, and when the first came); remote
+        # requests whose pull ended (or was a release) before every notice came (until pull_timeout_s).
         self._awaiting: dict[str, str] = {}
         self._early_notices: dict[str, list[ReadyNotice]] = {}
         self._early_since: dict[str, float] = {}
@@ -209,11 +210,13 @@ class PDWorker(KVConnectorWorker):
         """What tells that producer stage this stage is done with the request (sent again if the pull
         fails, so that it never waits for its timeout)."""
         engine_id = pull.transfer.remote_engine_id
-        info = self.topology.get_engine_info(engine_id, remote_rank)
-        agent = self._agents[(engine_id, remote_rank)]
-        notif = notification(pull.transfer.remote_request_id, self.pp_rank, self._readers_of(info))
-        pull.notifs.append((agent, notif))
+        notif = self._done_message(engine_id, remote_rank, pull.transfer.remote_request_id)
+        pull.notifs.append((self._agents[(engine_id, remote_rank)], notif))
         return notif
+
+    def _done_message(self, engine_id: str, remote_rank: int, remote_request_id: str) -> bytes:
+        info = self.topology.get_engine_info(engine_id, remote_rank)
+        return notification(remote_request_id, self.pp_rank, self._readers_of(info))
 
     def _read(
         self, pull: _Pull, remote_rank: int, layers: tuple[int, int], block_ids: list[int], remote_block_ids: list[int],
@@ -290,7 +293,7 @@ class PDWorker(KVConnectorWorker):
             start = pull.next_block[rank]
             if end > start or notice.is_complete:
                 sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
-                notif = next(n for agent, n in pull.notifs if agent == self._agents[(notice.engine_id, rank)])
+                notif = self._done_message(notice.engine_id, rank, notice.request_id)
                 self._read(
                     pull, rank, sources[rank], transfer.block_ids[start - first : end - first],
                     notice.block_ids[start:end], notif if notice.is_complete else b"",
@@ -305,10 +308,8 @@ class PDWorker(KVConnectorWorker):
     def _release_remote(self, notice: ReadyNotice) -> None:
         """Tell the producer stage that this stage will not read its blocks for that request."""
         agent = self._agents.get((notice.engine_id, notice.pp_rank))
-        if agent is None:
-            return
-        info = self.topology.get_engine_info(notice.engine_id, notice.pp_rank)
-        self._notify(agent, notification(notice.request_id, self.pp_rank, self._readers_of(info)))
+        if agent is not None:
+            self._notify(agent, self._done_message(notice.engine_id, notice.pp_rank, notice.request_id))
 
     def _expire_early_notices(self, now: float) -> None:
         for remote_request_id, since in list(self._early_since.items()):
