@@ -20,14 +20,21 @@ async def collect(client: AsyncClient, prompt="hello", params=PARAMS, request_id
     return [delta async for delta in client.generate(prompt, params, request_id)]
 
 
-async def test_the_decode_engine_gets_the_request_while_the_prefill_runs(pd_early: RouterSetup):
-    pd = pd_early
-    pd.prefill.gate.clear()  # the prefill is "computing"
-    stream = pd.client().generate("hello", PARAMS, "r1")
+async def start_prefilling(pd: RouterSetup, client: AsyncClient):
+    """A request whose prefill is held ("computing"): (its stream, its first delta to come) once the
+    decode engine has it too."""
+    pd.prefill.gate.clear()
+    stream = client.generate("hello", PARAMS, "r")
     first = asyncio.ensure_future(anext(aiter(stream)))
     await until(lambda: pd.decode.received and pd.prefill.received, what="both engines have the request")
+    return stream, first
+
+
+async def test_the_decode_engine_gets_the_request_while_the_prefill_runs(pd_early: RouterSetup):
+    pd = pd_early
+    stream, first = await start_prefilling(pd, pd.client())
     [prefill], [decode] = pd.prefill.received, pd.decode.received
-    assert prefill.request_id == decode.request_id != "r1"
+    assert prefill.request_id == decode.request_id != "r"
     assert prefill.kv_transfer_params == {"do_remote_decode": True, "decode_engine_id": "decode-0"}
     assert decode.kv_transfer_params == {
         "do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_request_id": prefill.request_id,
@@ -36,7 +43,7 @@ async def test_the_decode_engine_gets_the_request_while_the_prefill_runs(pd_earl
     assert pd.decode.prefills_done == []
     pd.prefill.gate.set()
     deltas = [await first] + [d async for d in stream]
-    assert deltas == client_deltas("r1")  # the prefill's token first, then the decode's, unchanged
+    assert deltas == client_deltas("r")  # the prefill's token first, then the decode's, unchanged
     [done] = pd.decode.prefills_done
     assert done.request_id == decode.request_id and done.kv_transfer_params == PREFILL_PARAMS  # verbatim
     assert pd.router.counters.num_handovers == 1 and pd.router.requests == {}
@@ -59,11 +66,8 @@ async def test_one_token_asked_for_never_reaches_the_decode_engine(pd_early: Rou
 
 async def test_abort_while_prefilling_aborts_both_engines(pd_early: RouterSetup):
     pd = pd_early
-    pd.prefill.gate.clear()
     client = pd.client()
-    stream = client.generate("hello", PARAMS, "r")
-    task = asyncio.ensure_future(anext(aiter(stream)))
-    await until(lambda: pd.decode.received and pd.prefill.received, what="both engines have the request")
+    _, task = await start_prefilling(pd, client)
     await client.abort("r")
     rid = pd.prefill.received[0].request_id
     await until(lambda: pd.prefill.aborted == [rid] and pd.decode.aborted == [rid], what="aborted on both")
@@ -83,11 +87,7 @@ async def test_a_decode_engine_refusing_the_awaited_request_fails_it_and_aborts_
 
 async def test_a_killed_decode_engine_fails_a_prefilling_request_within_2_s(pd_early: RouterSetup):
     pd = pd_early
-    pd.prefill.gate.clear()
-    client = pd.client()
-    stream = client.generate("hello", PARAMS, "r")
-    task = asyncio.ensure_future(anext(aiter(stream)))
-    await until(lambda: pd.decode.received, what="the decode engine has it")
+    _, task = await start_prefilling(pd, pd.client())
     pd.decode.kill()
     with pytest.raises(EngineDeadError, match="decode engine"):
         await task
