@@ -47,6 +47,7 @@ from asyncpp.disagg.front import ClientFront
 from asyncpp.disagg.link import EngineLink, exchange_handshakes
 from asyncpp.disagg.stats import RouterCounters, merged_stats
 from asyncpp.disagg.translate import DO_REMOTE_DECODE, error_reply, handed_on, invalid, prefill_params
+from asyncpp.kv_transfer.pd.params import DECODE_ENGINE_ID, AwaitedPrefill
 from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import (
@@ -220,9 +221,9 @@ class PDRouter:
 
     async def _route_early(self, req: RoutedRequest) -> None:
         """Both engines at once: the decode engine awaits the prefill engine's request."""
-        awaited = {"do_remote_prefill": True, "remote_engine_id": self.prefill.engine_id, "remote_request_id": req.engine_request_id}
+        awaited = AwaitedPrefill(self.prefill.engine_id, req.engine_request_id).params()
         decode = asyncio.create_task(self._run_decode(req, awaited))
-        kv = {**DO_REMOTE_DECODE, "decode_engine_id": self.decode.engine_id}
+        kv = {**DO_REMOTE_DECODE, DECODE_ENGINE_ID: self.decode.engine_id}
         prefill = asyncio.create_task(self._run_prefill(req, kv, then=self._hand_over))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)

@@ -198,17 +198,13 @@ class PDScheduler(KVConnectorScheduler):
         first = request.num_computed_tokens // block_size
         num_blocks = -(-(request.num_computed_tokens + num_external_tokens) // block_size) - first
         if isinstance(prefill, AwaitedPrefill):  # read once the producer's stages say where
-            self._unsent_transfers.append(
-                BlockTransfer(
-                    request.request_id, block_ids[first : first + num_blocks], [],
-                    remote_engine_id=prefill.remote_engine_id, remote_request_id=prefill.remote_request_id,
-                    on_ready=True, num_tokens=request.num_prompt_tokens, remote_first_block=first,
-                )  # fmt: skip
-            )
-            self._resolved.add(request.request_id)
-            self.num_pulls += 1
-            self.num_pulled_tokens += num_external_tokens
-            return
+            how = {"on_ready": True, "num_tokens": request.num_prompt_tokens, "remote_first_block": first}
+        else:
+            how = {
+                "remote_block_ids": prefill.remote_block_ids[first : first + num_blocks],
+                "is_sync": not self.is_pull_async,
+                "remote_ready_at": prefill.first_token_at,
+            }
         self._unsent_transfers.append(
             BlockTransfer(
                 request.request_id,
@@ -216,9 +212,7 @@ class PDScheduler(KVConnectorScheduler):
                 [],
                 remote_engine_id=prefill.remote_engine_id,
                 remote_request_id=prefill.remote_request_id,
-                remote_block_ids=prefill.remote_block_ids[first : first + num_blocks],
-                is_sync=not self.is_pull_async,
-                remote_ready_at=prefill.first_token_at,
+                **how,
             )
         )
         self._resolved.add(request.request_id)
