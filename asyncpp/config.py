@@ -179,8 +179,14 @@ class SchedulerConfig:
     # placeholders for the tokens it samples, which go from the last stage straight to the
     # first. The engine's turnaround then overlaps compute instead of idling the stages.
     async_scheduling: bool = True
+    # A single stage leaves each step's sampled tokens on the device, fills the next step's
+    # placeholders there, and reports a step once the next is enqueued (`asyncpp.worker.async_output`):
+    # "auto" = on for one CUDA stage with async scheduling; "on" forces it (also on CPU, for tests).
+    async_output: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.async_output not in ("auto", "on", "off"):
+            raise ConfigError(f"scheduler.async_output must be 'auto', 'on' or 'off', got {self.async_output!r}")
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
 
@@ -347,6 +353,20 @@ class EngineConfig:
                 f"speculative.num_speculative_tokens {k} must be below model.max_model_len - 1 "
                 f"({self.model.max_model_len - 1})"
             )
+
+        if self.scheduler.async_output == "on" and not (self.parallel.pp_size == 1 and self.scheduler.async_scheduling):
+            raise ConfigError(
+                "scheduler.async_output = 'on' needs parallel.pp_size = 1 and scheduler.async_scheduling = true "
+                f"(got pp_size {self.parallel.pp_size}, async_scheduling {self.scheduler.async_scheduling})"
+            )
+
+    @property
+    def uses_async_output(self) -> bool:
+        """`scheduler.async_output` resolved: "auto" is on for one CUDA stage with async scheduling."""
+        if self.scheduler.async_output != "auto":
+            return self.scheduler.async_output == "on"
+        one_stage = self.parallel.pp_size == 1 and self.scheduler.async_scheduling
+        return one_stage and self.stage_devices[0].split(":")[0] == "cuda"
 
     @property
     def shift_layers_off_reason(self) -> str | None:

@@ -101,6 +101,7 @@ def stage_args_for(
             nice=config.parallel.stage_nice,
             cpus=cpu_lists[rank],
             async_scheduling=config.scheduler.async_scheduling,
+            async_output=config.uses_async_output,
             transport=transport_for(devices[rank]),
             addresses=addresses,
             kv_connector=kv_connector,

@@ -20,6 +20,14 @@ running a plan with placeholders, waits for those of `plan.after_step_id`:
 the next step of a cohort starts one hop after the last stage samples,
 without a round trip through the engine.
 
+Async output (one stage, `scheduler.async_output`): a step whose tokens may
+stay on the device is held (`_HeldStep`) rather than reported: the stage
+takes the next plan, fills its placeholders on the device and enqueues it,
+and only then reports the held step, whose tokens have reached the host
+meanwhile. With no next plan, the held step is reported as soon as its
+tokens are in. The engine's turnaround and the stage's input preparation
+and launch then overlap the device's work on the step before.
+
 A plan with `num_threads` > 0 runs with that many torch threads (the engine
 lends a lone cohort the idle stages' cores); the next plan with 0 gets the
 stage's own `num_threads` back. `torch.set_num_threads` is called only on a change.
@@ -57,6 +65,7 @@ from asyncpp.wire.stage_msgs import (
     StageReady,
     StageStart,
 )
+from asyncpp.worker.async_output import PendingOutput
 from asyncpp.worker.model_runner import ModelRunner
 from asyncpp.worker.outputs import ModelRunnerOutput
 from asyncpp.worker.shared_kv import SharedKVSegment
@@ -96,6 +105,9 @@ class StageArgs:
     nice: int = 0  # added to the stage's niceness: the engine's per-step bursts preempt it at once
     cpus: tuple[int, ...] = ()  # CPU stages: thread i is bound to cpus[i] (`cpu_affinity`); () = unbound
     async_scheduling: bool = False  # pass sampled tokens from the last stage to the first
+    # One stage: report a step once the next is enqueued, its tokens on the host by then
+    # (`asyncpp.worker.async_output`; `EngineConfig.uses_async_output`).
+    async_output: bool = False
     log_format: str = "console"
     log_level: str = "info"
     log_file: str | None = None
@@ -184,6 +196,7 @@ class Stage:
         self.shared_kv: list[SharedKVSegment] = []
         self.runner: ModelRunner | None = None
         self.phases = step_phases(args.device)  # off unless ASYNCPP_STEP_PHASES=1
+        self.held: _HeldStep | None = None  # async output: the step reported after the next is enqueued
 
     def serve(self) -> None:
         start = self._start_up()
@@ -191,14 +204,32 @@ class Stage:
         self.outputs.put(StageHandshake(self.args.pp_rank, 0, self.runner.kv_connector.get_handshake_metadata()))
         self.runner.phases = phases = self.phases
         while True:
-            msg = self.plans.get()
+            msg = self._next_plan()
             phases.mark("wait_plan")  # idle until the engine's plan, and reading it
             if isinstance(msg, Shutdown):
+                self._report_held()
                 return
             phases.start_step()
             output = self._run_step(msg)
-            self.outputs.put(output)
+            self._report_held()  # the step before, now that this one is enqueued
+            if isinstance(output, _HeldStep):
+                self.held = output
+            else:
+                self.outputs.put(output)
             phases.mark("send_output")
+
+    def _next_plan(self):
+        """The engine's next message. While a step is held, it is reported as soon as its tokens are
+        on the host, unless a plan comes first (which is then enqueued before it is reported)."""
+        while self.held is not None and not self.plans.has_message():
+            if self.held.is_ready():
+                self._report_held()
+        return self.plans.get()
+
+    def _report_held(self) -> None:
+        if self.held is not None:
+            held, self.held = self.held, None
+            self.outputs.put(held.report())
 
     def _start_up(self) -> StageStart:
         a = self.args
@@ -271,7 +302,7 @@ class Stage:
         if start.send_ring is not None:
             self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
 
-    def _run_step(self, plan: StepPlan) -> StageOutput:
+    def _run_step(self, plan: StepPlan) -> StageOutput | _HeldStep:
         handoff_us, error = 0.0, None
         output = ModelRunnerOutput()
         if self.tokens_in is not None:
@@ -298,7 +329,13 @@ class Stage:
             finally:
                 if read_slot is not None:
                     self.receiver.release(read_slot)
-            if self.args.is_last:
+            if self.args.async_output:
+                pending = self.runner.sample_tokens_async()
+                if pending.is_deferred:
+                    return _HeldStep(self, plan, pending, t0)
+                output = pending.get()
+                is_connector_done = True
+            elif self.args.is_last:
                 output = self.runner.sample_tokens()
                 is_connector_done = True
                 if self.tokens_out is not None:
@@ -328,6 +365,11 @@ class Stage:
             if self.tokens_out is not None and not output.req_ids:  # nor may the first stage wait forever
                 self.tokens_out.put(SampledTokens(plan.step_id))
         t1 = time.time() if self.args.is_last or error is not None else t_written
+        return self._stage_output(plan, output, t0, t1, handoff_us, error)
+
+    def _stage_output(
+        self, plan: StepPlan, output: ModelRunnerOutput, t0: float, t1: float, handoff_us: float, error: str | None
+    ) -> StageOutput:
         if self.is_debug:  # this core is the pipeline's: spend nothing on an event nobody keeps
             self.log.debug(
                 "stage_done",
@@ -371,3 +413,23 @@ class Stage:
         for q in (self.plans, self.outputs, self.acts_in, self.acts_out, self.tokens_in, self.tokens_out):
             if q is not None:
                 q.close()
+
+
+class _HeldStep:
+    """A step whose sampled tokens are still on their way to the host (async output): reported once
+    the stage has enqueued the next step, or as soon as they are in when no plan comes."""
+
+    def __init__(self, stage: Stage, plan: StepPlan, pending: PendingOutput, t0: float) -> None:
+        self.stage, self.plan, self.pending, self.t0 = stage, plan, pending, t0
+
+    def is_ready(self) -> bool:
+        return self.pending.is_ready()
+
+    def report(self) -> StageOutput:
+        error, output = None, ModelRunnerOutput()
+        try:
+            output = self.pending.get()
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which fails the step's requests
+            error = f"stage {self.stage.args.pp_rank}: {type(e).__name__}: {e}"
+            self.stage.log.error("step_failed", step_id=self.plan.step_id, error=error)
+        return self.stage._stage_output(self.plan, output, self.t0, time.time(), 0.0, error)

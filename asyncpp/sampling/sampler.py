@@ -68,6 +68,25 @@ class Sampler:
         return self._with_logprobs(sampled_token_ids, raw_logprobs, logprob_rows, states)
 
     @staticmethod
+    def reads_history(states: Sequence[RequestSamplingState]) -> bool:
+        """Whether a draw for `states` needs the host to know their tokens so far (penalties, seeds)
+        or returns more than the tokens (logprobs)."""
+        return any(
+            s.params.uses_penalties or s.params.logprobs is not None or (s.params.seed is not None and not s.params.is_greedy)
+            for s in states
+        )
+
+    def sample_on_device(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
+        """The tokens `__call__` would return, left on the sampler's device ([num_reqs] int64). Only
+        for `states` that do not `reads_history`."""
+        if self.reads_history(states):
+            raise ValueError("sample_on_device: a request uses penalties, a seed or logprobs")
+        logits = logits.to(device=self.device)
+        if all(s.params.is_greedy for s in states):
+            return argmax_rows(logits, self.isa)
+        return self._sample(logits.to(dtype=torch.float32), states)
+
+    @staticmethod
     def _is_plain_greedy(states: Sequence[RequestSamplingState]) -> bool:
         return all(s.params.is_greedy and s.params.logprobs is None and not s.params.uses_penalties for s in states)
 

@@ -41,6 +41,7 @@ from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.proposer import Proposer
 from asyncpp.speculative.rejection import RejectionSampler
 from asyncpp.step_phases import NO_PHASES, StepPhases, _NoPhases
+from asyncpp.worker.async_output import AsyncSample, DeviceTokens, PendingOutput
 from asyncpp.worker.cuda_graphs import StepGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
@@ -113,7 +114,7 @@ class ModelRunner:
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.sampling_states: dict[str, RequestSamplingState] = {}
-        self.sampled_token_ids: dict[str, int] = {}  # first stage: latest sampled token per request
+        self.sampled_token_ids = DeviceTokens()  # first stage: latest sampled token per request
         # First stage: the drafts proposed with it; last stage: its own latest proposals, and whether
         # its latest verification accepted every draft (else a continuation placed after them is void).
         self.latest_drafts: dict[str, list[int]] = {}
@@ -252,6 +253,53 @@ class ModelRunner:
             return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
         return dataclasses.replace(output, kv_connector_output=kv_output) if kv_output is not None else output
 
+    def can_defer(self) -> bool:
+        """Whether the pending step's tokens may stay on the device past `sample_tokens_async`
+        (`asyncpp.worker.async_output`): a single stage (it fills its own placeholders), no
+        proposer, no KV connector, and a draw that needs nothing more of the host."""
+        state = self.execute_state
+        return (
+            state is not None
+            and state.logits is not None
+            and state.draft_token_ids is None
+            and self.model.is_first
+            and self.is_last
+            and self.proposer is None
+            and not self.kv_connector.is_active
+            and not self.sampler.reads_history([self.sampling_states[r] for r in state.sampling_req_ids])
+        )
+
+    @torch.inference_mode()
+    def sample_tokens_async(self) -> PendingOutput:
+        """`sample_tokens`, except that where `can_defer`, the tokens stay on the device: the next
+        `execute_model` reads them there, and the output is built when the caller `get`s it (after
+        enqueueing the next step, so that the host's work overlaps this step's computation)."""
+        if not self.can_defer():
+            return PendingOutput.ready(self.sample_tokens())
+        state, self.execute_state = self.execute_state, None
+        phases = self.phases
+        phases.gpu_begin("sample")
+        req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
+        sample = AsyncSample(state.step_id, state.sampling_req_ids, self.sampler.sample_on_device(state.logits, req_states))
+        self.sampled_token_ids.add_pending(sample)
+        phases.mark("sample")  # launched only: the tokens come to the host in `get`
+        phases.gpu_end("sample")
+        kv_output = self.kv_connector.post_forward(state.finished_req_ids, wait_for_save=state.has_forward)
+
+        def finish() -> ModelRunnerOutput:
+            token_ids = sample.token_ids()
+            for req_state, token_id in zip(req_states, token_ids):
+                req_state.output_token_ids.append(token_id)
+            self.sampled_token_ids.resolve(sample, token_ids)
+            return ModelRunnerOutput(
+                req_ids=sample.req_ids,
+                sampled_token_ids=[[t] for t in token_ids],
+                logprobs=[None] * len(token_ids),
+                kv_connector_output=kv_output,
+            )
+
+        return PendingOutput(sample, finish)
+
     def finish_step(self) -> ModelRunnerOutput:
         """Non-last stage, after its activations are handed off: the connector's reports only."""
         state, self.execute_state = self.execute_state, None
@@ -301,14 +349,14 @@ class ModelRunner:
     def record_sampled(self, req_ids: list[str], token_ids: list[int], drafts: list[list[int]] | None = None) -> None:
         """First stage: the tokens a step sampled (and the drafts proposed after them), for the
         placeholders of later plans."""
-        self.sampled_token_ids.update(zip(req_ids, token_ids))
+        self.sampled_token_ids.record(req_ids, token_ids)
         if drafts:
             self.latest_drafts.update(zip(req_ids, drafts))
 
     def _update_states(self, plan: StepPlan) -> None:
         for req_id in plan.finished_req_ids:
             self.sampling_states.pop(req_id, None)
-            self.sampled_token_ids.pop(req_id, None)
+            self.sampled_token_ids.forget(req_id)
             self.latest_drafts.pop(req_id, None)
             self.accepted_all.pop(req_id, None)
             if self.proposer is not None:

@@ -16,6 +16,7 @@ import torch
 from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
 from asyncpp.kernels.decode_attention import DecodeAttention
 from asyncpp.model.attention import AttentionMetadata
+from asyncpp.worker.async_output import DeviceTokens
 
 
 @dataclass
@@ -51,13 +52,14 @@ class StepInputBuffers:
     def prepare(
         self,
         plan: StepPlan,
-        sampled_token_ids: dict[str, int] | None = None,
+        sampled_token_ids: DeviceTokens | None = None,
         latest_drafts: dict[str, list[int]] | None = None,
         void_req_ids: frozenset[str] = frozenset(),
     ) -> StepInputs:
         """Inputs of `plan`; on the first stage, placeholders become the requests' `sampled_token_ids`
         followed by their `latest_drafts` (a continuation that verifies the drafts its plan before
-        proposed). `void_req_ids` (last stage): continuations computed but not sampled."""
+        proposed); a token still only on the device is copied there on the device, after the
+        host's tokens. `void_req_ids` (last stage): continuations computed but not sampled."""
         reqs = plan.scheduled
         num_new = np.fromiter((r.num_tokens for r in reqs), dtype=np.int64, count=len(reqs))
         num_tokens = int(num_new.sum())
@@ -75,9 +77,12 @@ class StepInputBuffers:
         )
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
+        on_device = None  # (rows, request ids) of placeholders whose token is still on the device
         if plan.after_step_id is not None and sampled_token_ids is not None:
-            _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids, latest_drafts or {})
+            on_device = _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids, latest_drafts or {})
         self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
+        if on_device is not None:
+            sampled_token_ids.fill_on_device(self.input_ids, *on_device)
         self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
 
         last_rows = np.cumsum(num_new) - 1
@@ -125,16 +130,19 @@ def _fill_placeholders(
     token_ids: np.ndarray,
     num_new: np.ndarray,
     reqs: list,
-    sampled_token_ids: dict[str, int],
+    sampled_token_ids: DeviceTokens,
     latest_drafts: dict[str, list[int]],
-) -> None:
+) -> tuple[np.ndarray, list[str]] | None:
+    """Fill the placeholders the host can; return the rows (and their requests) whose token is
+    still only on the device, or None when there are none."""
     rows = np.flatnonzero(token_ids == PLACEHOLDER_TOKEN_ID)
     if not len(rows):
-        return
+        return None
     req_index = np.repeat(np.arange(len(reqs)), num_new)[rows]
+    req_ids = [reqs[i].request_id for i in req_index.tolist()]
     # A request without a sampled token had its sampling step fail: the engine fails it and
     # drops this step's output for it, so any valid token will do.
-    token_ids[rows] = [sampled_token_ids.get(reqs[i].request_id, 0) for i in req_index.tolist()]
+    token_ids[rows] = [sampled_token_ids.get(req_id, 0) for req_id in req_ids]
     # A continuation's placeholders after its first are the drafts its plan before proposed.
     starts = np.cumsum(num_new) - num_new
     for i, r in enumerate(reqs):
@@ -142,3 +150,8 @@ def _fill_placeholders(
             first = int(starts[i]) + r.num_tokens - r.num_draft_tokens
             drafts = _padded_drafts(latest_drafts.get(r.request_id, []), r.num_draft_tokens)
             token_ids[first : first + r.num_draft_tokens] = drafts
+    # (Steps with drafts are never left on the device: a request has one pending token, its first row's.)
+    pending = [(row, req_id) for row, req_id in zip(rows.tolist(), req_ids) if req_id in sampled_token_ids.pending]
+    if not pending:
+        return None
+    return np.array([row for row, _ in pending], dtype=np.int64), [req_id for _, req_id in pending]

@@ -239,3 +239,33 @@ def test_steps_with_prefill_chunks_replay_the_graphs(tiny_hf_dir, prompts, refer
     assert [r.token_ids for r in results] == [ref[: p.max_tokens] for ref, p in zip(reference, params)]
     assert taken and None not in taken  # no step ran eagerly
     assert all(r.graphs.capture and r.graphs.num_runs[64] > 0 for r in engine.executor.runners)
+
+
+def test_steps_held_on_the_device_give_the_synchronous_tokens(tiny_hf_dir, prompts, reference):
+    """Async output on the GPU: each step's tokens stay on the device while the next step (its
+    placeholders filled there) is enqueued; the output is built after. Tokens equal the eager path's."""
+    from tests.engine.test_async_output import _drive
+
+    engine = Engine(cuda_config(tiny_hf_dir))
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(prompts))]
+    tokens, filled_on_device = _drive(engine, prompts, params)
+    assert list(tokens.values()) == [ref[: p.max_tokens] for ref, p in zip(reference, params)]
+    assert filled_on_device > 10
+
+
+@pytest.mark.parametrize("async_output", ["auto", "off"])
+async def test_launched_single_cuda_stage_equals_in_process(tmp_path, tiny_hf_dir, prompts, reference, async_output):
+    """One CUDA stage: "auto" holds each step until the next is enqueued (async output), "off" does not."""
+    sections = tiny_sections(tiny_hf_dir, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]},
+                             scheduler={"async_output": async_output})  # fmt: skip
+    with launched(tmp_path, sections) as engine:
+        client = AsyncClient(engine.address)
+        try:
+
+            async def one(prompt):
+                return [t async for d in client.generate(prompt, GREEDY_32) for t in d.token_ids]
+
+            results = await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            client.close()
+    assert results == reference
