@@ -13,7 +13,7 @@
 # Then scripts/profile_step.py (a copy of ../shared/device/profile_step.py): cProfile of an in-process
 # pp=1 engine's host side and torch.profiler's kernel totals, 64 requests x 64 tokens.
 #
-# Sized by the environment: PLAIN_COMPILE=1 (also the compiled plain loop), CONCURRENCIES (default "1 64 256"), RUNS (default "pp=1;pp=2"),
+# Sized by the environment: PLAIN=0 (no plain loop), STEP_PHASES_ONLY=1 (no in-process profile), PLAIN_COMPILE=1 (also the compiled plain loop), CONCURRENCIES (default "1 64 256"), RUNS (default "pp=1;pp=2"),
 # PROMPTS_PER_SLOT (prompts = this x concurrency, at least 8; default 2), PROFILE_TIMEOUT (s per
 # concurrency, default 150).
 set -uo pipefail
@@ -21,8 +21,10 @@ set -uo pipefail
 PY=python3
 record_machine
 
-echo "== plain decode loop (ms per step)"
-timeout 90 $PY scripts/plain_decode_loop.py > "$OUT/plain_loop.txt" 2>&1; tail -1 "$OUT/plain_loop.txt"
+if [ "${PLAIN:-1}" = 1 ]; then
+  echo "== plain decode loop (ms per step)"
+  timeout 90 $PY scripts/plain_decode_loop.py > "$OUT/plain_loop.txt" 2>&1; tail -1 "$OUT/plain_loop.txt"
+fi
 if [ "${PLAIN_COMPILE:-0}" = 1 ]; then  # known (H200, 2026-11-26): 1.17 / 1.68 / 4.08 / 18.7 ms
   timeout 120 $PY scripts/plain_decode_loop.py --compile > "$OUT/plain_loop_compiled.txt" 2>&1; tail -1 "$OUT/plain_loop_compiled.txt"
 fi
@@ -37,5 +39,7 @@ for c in ${CONCURRENCIES:-1 64 256}; do
   cat "$OUT/step_phases_c$c.txt"
 done
 
-echo "== in-process engine: cProfile and kernel totals"
-timeout 120 $PY scripts/profile_step.py > "$OUT/profile_step.txt" 2>&1; head -3 "$OUT/profile_step.txt"
+if [ "${STEP_PHASES_ONLY:-0}" != 1 ]; then
+  echo "== in-process engine: cProfile and kernel totals"
+  timeout 120 $PY scripts/profile_step.py > "$OUT/profile_step.txt" 2>&1; head -3 "$OUT/profile_step.txt"  # PROFILE_BATCH
+fi

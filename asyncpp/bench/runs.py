@@ -20,6 +20,7 @@ ALIASES = {
     "pp": "parallel.pp_size",
     "threads": "parallel.num_threads",
     "graphs": "model.cuda_graphs",
+    "async_output": "scheduler.async_output",
     "backend": "bench.backend",  # not a config key: how the bench talks to this run (native | openai)
 }
 

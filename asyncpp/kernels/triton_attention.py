@@ -10,8 +10,14 @@ per batch size, which is what lets a CUDA graph replay it for any context
 lengths.
 
 One program per (query row, KV head): it loads the group of query heads that
-share the KV head once, walks the row's blocks one `block_size` tile at a
-time with an online softmax in float32, and writes the group's outputs.
+share the KV head once, walks the row's keys one tile of `keys_per_tile`
+(several whole blocks, gathered through the block table) at a time with an
+online softmax in float32, and writes the group's outputs. A tile of one
+block (16 keys) made each row a chain of short dependent iterations: 24 us a
+layer at 64 rows of ~150 keys on an H200 (2026-11-26), most of it latency.
+The default, 64 keys over 8 warps, is the largest tile that compiles for
+sm_90 without spilling (176 registers; 64 keys over 4 warps spill, 32 over 4
+take 180); `scripts/attention_tiles.py` times the variants on a GPU.
 
 `triton_attention_kernel(device, dtype, ...)` returns the callable, or None
 where it cannot run (no Triton, a CPU device). Tests run it on CPU through
@@ -40,18 +46,24 @@ def triton_attention_kernel(
     num_kv_heads: int,
     head_dim: int,
     block_size: int = 16,
+    keys_per_tile: int = 64,
+    num_warps: int = 8,
 ) -> DecodeAttention | None:
     """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`).
 
-    A block size that is not a power of two (Triton's tile sizes must be) gets None."""
+    A block size that is not a power of two (Triton's tile sizes must be) gets None. The tile is
+    at least one block; both are powers of two, so a tile holds whole blocks."""
     if not has_triton() or num_heads % num_kv_heads != 0 or block_size & (block_size - 1):
         return None
     if torch.device(device).type != "cuda" and not is_interpreted():
         return None
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
+    if keys_per_tile & (keys_per_tile - 1):
+        raise ValueError(f"keys_per_tile must be a power of two, got {keys_per_tile}")
     kernel = _build_kernel()
     group = num_heads // num_kv_heads
+    tile = max(keys_per_tile, block_size)
 
     def decode_attention(
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
@@ -75,6 +87,7 @@ def triton_attention_kernel(
             block_table, block_table.stride(0), rows, context_lens,
             out, out.stride(0), scale,
             GROUP=group, GROUP_P=_pow2(group), HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), BLOCK_SIZE=block_size,
+            TILE=tile, num_warps=num_warps,
         )  # fmt: skip
 
     return decode_attention
@@ -106,7 +119,7 @@ def _build_kernel():
         table_ptr, table_stride, rows_ptr, lens_ptr,
         out_ptr, out_row_stride, scale,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0)  # query row of the launch
         kv_head = tl.program_id(1)
@@ -123,18 +136,18 @@ def _build_kernel():
         m = tl.full((GROUP_P,), float("-inf"), tl.float32)
         denom = tl.zeros((GROUP_P,), tl.float32)
         acc = tl.zeros((GROUP_P, HEAD_DIM_P), tl.float32)
-        offs = tl.arange(0, BLOCK_SIZE)
-        num_blocks = (context_len + BLOCK_SIZE - 1) // BLOCK_SIZE
-        for b in range(0, num_blocks):
-            block_id = tl.load(table_ptr + i * table_stride + b)
-            pos = b * BLOCK_SIZE + offs
+        offs = tl.arange(0, TILE)  # key i of a tile: block offs // BLOCK_SIZE of it, slot offs % BLOCK_SIZE
+        num_tiles = (context_len + TILE - 1) // TILE
+        for t in range(0, num_tiles):
+            pos = t * TILE + offs
             key_ok = pos < context_len
-            slots = block_id * BLOCK_SIZE + offs
+            block_ids = tl.load(table_ptr + i * table_stride + pos // BLOCK_SIZE, mask=key_ok, other=0)
+            slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offs = slots[:, None] * slot_stride + kv_head * HEAD_DIM + dims[None, :]
             kv_mask = key_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, HEAD_DIM_P]
+            k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM_P]
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, BLOCK_SIZE]
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)

@@ -223,6 +223,7 @@ class Stage:
         on the host, unless a plan comes first (which is then enqueued before it is reported)."""
         while self.held is not None and not self.plans.has_message():
             if self.held.is_ready():
+                self.phases.mark("wait_plan")
                 self._report_held()
         return self.plans.get()
 
@@ -230,6 +231,7 @@ class Stage:
         if self.held is not None:
             held, self.held = self.held, None
             self.outputs.put(held.report())
+            self.phases.mark("report_held")  # the tokens' wait and list, the output's encoding
 
     def _start_up(self) -> StageStart:
         a = self.args

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from asyncpp.kernels.triton_attention import has_triton
 from tests.kernels import triton_attention_checks as checks
