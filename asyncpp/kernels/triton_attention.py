@@ -15,9 +15,14 @@ share the KV head once, walks the row's keys one tile of `keys_per_tile`
 online softmax in float32, and writes the group's outputs. A tile of one
 block (16 keys) made each row a chain of short dependent iterations: 24 us a
 layer at 64 rows of ~150 keys on an H200 (2026-11-26), most of it latency.
-The default, 64 keys over 8 warps, is the largest tile that compiles for
-sm_90 without spilling (176 registers; 64 keys over 4 warps spill, 32 over 4
-take 180); `scripts/attention_tiles.py` times the variants on a GPU.
+`scripts/attention_tiles.py` times the variants on a GPU. On an H200
+(2026-11-26, Triton 3.6, graph replays, SmolLM2's 9/3 heads of 64, bfloat16),
+in us per layer, one-block tile (16 keys, 4 warps) -> the default (32 keys
+over 4 warps): 1 row of 192 keys 28.4 -> 22.7; 64 rows of 96-224 keys
+42.6 -> 32.8; 256 rows of 96-224 keys 90.8 -> 89.8; 256 rows of 400-600 keys
+282 -> 271; a 2048-token prompt chunk 3243 -> 3465. 64 keys over 8 warps (no
+spill either, 176 registers) won at one row (17.8) but lost at 256 rows
+(112); 64 and 128 keys over 4 warps spill.
 
 `triton_attention_kernel(device, dtype, ...)` returns the callable, or None
 where it cannot run (no Triton, a CPU device). Tests run it on CPU through
@@ -46,8 +51,8 @@ def triton_attention_kernel(
     num_kv_heads: int,
     head_dim: int,
     block_size: int = 16,
-    keys_per_tile: int = 64,
-    num_warps: int = 8,
+    keys_per_tile: int = 32,
+    num_warps: int = 4,
 ) -> DecodeAttention | None:
     """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`).
 

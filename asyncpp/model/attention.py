@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncpp.host_copy import to_device
 from asyncpp.kernels.decode_attention import DecodeAttention
 
 # Decode requests are split into buckets of at least this many requests, sorted by context length.
@@ -103,8 +104,8 @@ class AttentionMetadata:
             kernel_rows = _KernelRows(
                 fn=decode_kernel,
                 rows=torch.arange(num_tokens, dtype=torch.int64, device=device),
-                block_table=torch.from_numpy(block_table[req_of_token]).to(device),
-                context_lens=torch.from_numpy(context_lens).to(device),
+                block_table=to_device(block_table[req_of_token], device),
+                context_lens=to_device(context_lens, device),
                 max_context_len=int(context_lens.max()),
             )
         else:
@@ -118,7 +119,7 @@ class AttentionMetadata:
                 for reqs in batches
             ]
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            slot_mapping=to_device(slot_mapping, device),
             groups=groups,
             block_size=block_size,
             kernel_rows=kernel_rows,
@@ -171,7 +172,7 @@ def _build_group(
     mask[~query_valid] = False
     mask[..., 0] |= ~query_valid
 
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+    to = lambda a: to_device(a, device)  # noqa: E731
     all_valid = bool(query_valid.all())
     return _Group(
         token_idx=to(query_idx[query_valid]),

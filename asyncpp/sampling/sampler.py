@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from asyncpp.host_copy import to_device
 from asyncpp.kernels.argmax import argmax_rows
 from asyncpp.sampling.filters import apply_min_p, apply_top_k_top_p
 from asyncpp.sampling.output import RequestLogprobs, SamplerOutput
@@ -120,12 +121,12 @@ class Sampler:
         filters (divide by the row sum for probabilities).
         """
         params = [s.params for s in states]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        temperatures = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), self.device)
         probs = (logits / temperatures.unsqueeze(1)).softmax(dim=-1)  # a fresh tensor the filters may write to
 
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
-            apply_min_p(probs, torch.tensor(min_p, dtype=torch.float32, device=self.device))
+            apply_min_p(probs, to_device(torch.tensor(min_p, dtype=torch.float32), self.device))
         self._apply_top_k_top_p(probs, params)
         return probs
 
@@ -138,8 +139,8 @@ class Sampler:
             return
         uses_top_k = any(top_k[j] < self.vocab_size for j in rows)
         uses_top_p = any(top_p[j] < 1.0 for j in rows)
-        k = torch.tensor([top_k[j] for j in rows], dtype=torch.int64, device=self.device) if uses_top_k else None
-        p = torch.tensor([top_p[j] for j in rows], dtype=torch.float32, device=self.device) if uses_top_p else None
+        k = to_device(torch.tensor([top_k[j] for j in rows], dtype=torch.int64), self.device) if uses_top_k else None
+        p = to_device(torch.tensor([top_p[j] for j in rows], dtype=torch.float32), self.device) if uses_top_p else None
         if len(rows) == len(params):
             apply_top_k_top_p(probs, k, p)
             return
@@ -202,4 +203,4 @@ class Sampler:
         )
 
     def _index(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
+from asyncpp.host_copy import to_device
 from asyncpp.worker.outputs import ModelRunnerOutput
 
 
@@ -101,9 +102,8 @@ class DeviceTokens:
             dst_rows.append(row)
             src_rows.append(src)
         for sample, dst_rows, src_rows in by_sample.values():
-            device = input_ids.device
-            dst = torch.tensor(dst_rows, dtype=torch.int64).to(device, non_blocking=True)
-            src = torch.tensor(src_rows, dtype=torch.int64).to(device, non_blocking=True)
+            dst = to_device(np.array(dst_rows, dtype=np.int64), input_ids.device)
+            src = to_device(np.array(src_rows, dtype=np.int64), input_ids.device)
             input_ids.index_copy_(0, dst, sample.device_tensor.index_select(0, src))
 
     def __contains__(self, req_id: str) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
+from asyncpp.host_copy import copy_into, to_device
 from asyncpp.kernels.decode_attention import DecodeAttention
 from asyncpp.model.attention import AttentionMetadata
 from asyncpp.worker.async_output import DeviceTokens
@@ -80,10 +81,10 @@ class StepInputBuffers:
         on_device = None  # (rows, request ids) of placeholders whose token is still on the device
         if plan.after_step_id is not None and sampled_token_ids is not None:
             on_device = _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids, latest_drafts or {})
-        self.input_ids[:num_tokens].copy_(torch.from_numpy(token_ids), non_blocking=True)
+        copy_into(self.input_ids[:num_tokens], token_ids)
         if on_device is not None:
             sampled_token_ids.fill_on_device(self.input_ids, *on_device)
-        self.positions[:num_tokens].copy_(torch.from_numpy(positions), non_blocking=True)
+        copy_into(self.positions[:num_tokens], positions)
 
         last_rows = np.cumsum(num_new) - 1
         do_sample = np.fromiter(
@@ -103,7 +104,7 @@ class StepInputBuffers:
             input_ids=self.input_ids[:num_tokens],
             positions=self.positions[:num_tokens],
             attn_meta=meta,
-            logits_indices=torch.from_numpy(logits_rows).to(self.device),
+            logits_indices=to_device(logits_rows, self.device),
             sampling_req_ids=[r.request_id for r in sampling],
             draft_token_ids=draft_token_ids,
         )

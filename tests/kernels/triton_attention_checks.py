@@ -19,7 +19,7 @@ TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 CONTEXT_LENS = [1, 15, 16, 17, 32, 100, 203]
 
 
-def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=64):
+def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=32):
     fn = triton_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=keys_per_tile)
     assert fn is not None, "Triton kernel unavailable"
     return fn
@@ -68,7 +68,7 @@ def check_batch_invariant(device: str) -> None:
 
 def check_every_tile_size(device: str) -> None:
     """A tile of one block (16 keys), of several, and larger than any context here: the same function."""
-    for keys_per_tile in (16, 32, 128, 256):
+    for keys_per_tile in (16, 32, 64, 128, 256):
         fn = _kernel(device, torch.float32, 9, 3, 64, keys_per_tile=keys_per_tile)
         q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, CONTEXT_LENS, torch.float32, seed=2)
         out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
