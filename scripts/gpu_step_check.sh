@@ -27,8 +27,11 @@ timeout 200 $PY -m pytest -q -ra -m cuda -p no:cacheprovider --timeout 100 \
 tail -8 "$OUT/cuda_tests.txt"
 
 echo "== step phases"
+shm_before=$(ls /dev/shm | grep -c '^cuda\.shm\.')
 PLAIN=0 RUNS="${RUNS:-pp=1;pp=1,async_output=off}" PROFILE_TIMEOUT=120 STEP_PHASES_ONLY=1 \
   bash scripts/gpu_profile.sh 2>&1 | grep -v -E "^    (kv_|update_states|send_output)" | grep -v "^logs in"
+
+echo "cuda.shm files the served engines left in /dev/shm: $(( $(ls /dev/shm | grep -c '^cuda\.shm\.') - shm_before ))"
 
 echo "== cProfile of a served step at c = 256 (wall clock, own time)"
 rm -rf "$OUT/prof"

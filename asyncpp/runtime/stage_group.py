@@ -182,13 +182,18 @@ def unlink_torch_shm(pid: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:
     Sharing CUDA memory (the CUDA IPC ring's `_share_cuda_`) makes torch keep a
     reference counter in `/dev/shm/torch_<pid>_<random>_<n>`, which only the
     last process to close it unlinks: a stage that exits, or is killed, with
-    the ring still open leaves it behind. Call this once `pid` has been reaped.
+    the ring still open leaves it behind. The CUDA driver, too, keeps the
+    interprocess events a process made (the ring's `written` / `released`) in
+    `/dev/shm/cuda.shm.<n>.<pid in hex>.<n>`, and a stage left one behind in
+    every pp = 2 run on an H200 (2026-11-26), stopped cleanly or not. Call
+    this once `pid` has been reaped.
     """
     removed = []
-    for path in shm_dir.glob(f"torch_{pid}_*"):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path.name)
+    for pattern in (f"torch_{pid}_*", f"cuda.shm.*.{pid:x}.*"):
+        for path in shm_dir.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path.name)
     return removed
 
 

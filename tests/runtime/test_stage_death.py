@@ -100,3 +100,13 @@ def test_unlink_torch_shm_removes_only_that_process_files(tmp_path):
     assert sorted(unlink_torch_shm(12, tmp_path)) == ["torch_12_4242_0", "torch_12_4242_1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["asyncpp-12-ring", "torch_123_77_0", "torch_x"]
     assert unlink_torch_shm(12, tmp_path) == []
+
+
+def test_unlink_torch_shm_removes_the_cuda_drivers_event_files(tmp_path):
+    # The CUDA driver keeps a process's interprocess events in /dev/shm/cuda.shm.<n>.<pid hex>.<n>
+    # (seen on an H200: cuda.shm.0.2ff.1 and the like); pid 767 is 0x2ff, pid 0x2ff0 is another.
+    names = ["cuda.shm.0.2ff.1", "cuda.shm.0.2ff.2", "cuda.shm.0.2ff0.1", "cuda.shm.0.12.1", "cuda.shm.2ff"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"\0" * 8)
+    assert sorted(unlink_torch_shm(767, tmp_path)) == ["cuda.shm.0.2ff.1", "cuda.shm.0.2ff.2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cuda.shm.0.12.1", "cuda.shm.0.2ff0.1", "cuda.shm.2ff"]
