@@ -38,6 +38,7 @@ from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.backends import create_stage_group
 from asyncpp.runtime.cpu_affinity import stage_cpu_lists, usable_cpu_ids
 from asyncpp.runtime.engine_server import EngineServer
+from asyncpp.runtime.gc_heap import freeze_startup_heap
 from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.speculative.proposer import create_proposer
@@ -204,6 +205,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
         print(f"asyncpp ready: clients connect to {router.address} ({plan.summary()})", file=sys.stderr, flush=True)
+        log.debug("gc_heap_frozen", num_objects=freeze_startup_heap())
         with profiled("engine"):
             serving = asyncio.create_task(server.serve())
             if ns.prompt is not None:

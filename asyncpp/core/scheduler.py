@@ -286,10 +286,10 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
                 num_new_tokens = min(num_new_tokens, step.num_prefill_budget)
             # Positions past its known tokens: placeholders, drafts, and those of its plan in flight.
             num_lookahead = max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens)
-            if self._allocate_running(request, num_new_tokens, num_lookahead):
+            block_ids = self._allocate_running(request, num_new_tokens, num_lookahead)
+            if block_ids is not None:
                 if is_chunk:
                     step.num_prefill_budget -= num_new_tokens
-                block_ids = self._block_manager.block_ids(request.request_id)
                 step.add(request, num_new_tokens, block_ids, num_placeholders, drafts, num_draft_placeholders)
             else:
                 is_blocked = True
@@ -418,8 +418,9 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
             and request.num_tokens + num_new < self.max_model_len
         )
 
-    def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
-        """Get blocks for a running request, preempting younger ones as needed; False if it must wait."""
+    def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Get blocks for a running request, preempting younger ones as needed: its block table (a copy),
+        or None if it must wait."""
         while True:
             block_ids = self._block_manager.allocate_slots(
                 request.request_id,
@@ -429,16 +430,16 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
                 num_lookahead_tokens=num_lookahead_tokens,
             )
             if block_ids is not None:
-                return True
+                return block_ids
             victim = self._queues.youngest_idle_running()
             if victim is not None and victim is not request:
                 self._preempt(victim)
                 continue
             # Every younger running request is in flight (or this one is, and cannot be preempted).
             if self._queues.running[-1] is not request or request.is_in_flight:
-                return False  # stall; preempt one of them once it is back
+                return None  # stall; preempt one of them once it is back
             self._preempt(request)
-            return False
+            return None
 
     def _admit_waiting(self, step: StepBuilder) -> None:
         queues = self._queues

@@ -53,6 +53,7 @@ from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.gc_heap import freeze_startup_heap
 from asyncpp.step_phases import step_phases
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
@@ -203,6 +204,7 @@ class Stage:
         self._build_runner(start)
         self.outputs.put(StageHandshake(self.args.pp_rank, 0, self.runner.kv_connector.get_handshake_metadata()))
         self.runner.phases = phases = self.phases
+        self.log.debug("gc_heap_frozen", num_objects=freeze_startup_heap())
         while True:
             msg = self._next_plan()
             phases.mark("wait_plan")  # idle until the engine's plan, and reading it
