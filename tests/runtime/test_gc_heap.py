@@ -17,3 +17,9 @@ def test_freeze_moves_the_live_heap_out_of_collections():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_freeze_can_be_turned_off(monkeypatch):
+    gc.unfreeze()
+    monkeypatch.setenv("ASYNCPP_GC_FREEZE", "0")
+    assert freeze_startup_heap() == 0 and gc.get_freeze_count() == 0
