@@ -107,6 +107,13 @@ def test_verification_steps_replay_the_graphs(tiny_hf_dir, pp_size, split):
 @pytest.mark.parametrize("pp_size,split", [(2, (2, 2)), (3, (1, 2, 1))])
 async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, tiny_hf_dir, prompts, reference, pp_size, split):
     sections = tiny_sections(tiny_hf_dir, pp_size, split, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]})
+    results, log = await _launched_greedy(tmp_path, sections, prompts)
+    assert results == reference
+    assert "cuda_graphs_captured" in log
+
+
+async def _launched_greedy(tmp_path, sections, prompts) -> tuple[list[list[int]], str]:
+    """Every prompt's GREEDY_32 tokens from a launched engine, all at once; and its log."""
     with launched(tmp_path, sections) as engine:
         client = AsyncClient(engine.address)
         try:
@@ -117,8 +124,7 @@ async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, ti
             results = await asyncio.gather(*(one(p) for p in prompts))
         finally:
             client.close()
-    assert results == reference
-    assert "cuda_graphs_captured" in engine.log_file.read_text()
+    return results, engine.log_file.read_text()
 
 
 def _ring_spec(num_slots=2, max_tokens=64, hidden=96):
@@ -258,14 +264,5 @@ async def test_launched_single_cuda_stage_equals_in_process(tmp_path, tiny_hf_di
     """One CUDA stage: "auto" holds each step until the next is enqueued (async output), "off" does not."""
     sections = tiny_sections(tiny_hf_dir, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]},
                              scheduler={"async_output": async_output})  # fmt: skip
-    with launched(tmp_path, sections) as engine:
-        client = AsyncClient(engine.address)
-        try:
-
-            async def one(prompt):
-                return [t async for d in client.generate(prompt, GREEDY_32) for t in d.token_ids]
-
-            results = await asyncio.gather(*(one(p) for p in prompts))
-        finally:
-            client.close()
+    results, _ = await _launched_greedy(tmp_path, sections, prompts)
     assert results == reference
