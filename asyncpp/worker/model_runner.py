@@ -11,6 +11,9 @@
    return the step's `ModelRunnerOutput`. A non-last stage ends its step with
    `finish_step()` instead (after handing off its activations), which returns
    `ModelRunnerOutput.with_kv_conn_output_only(...)`.
+   `sample_tokens_async()` is the same step for a single stage that may leave
+   the tokens on the device (async output, `asyncpp.worker.async_output`):
+   the next `execute_model` reads them there, and the output is built later.
 
 Every step binds the plan's KV connector metadata before the forward
 (`pre_forward`, which also starts loads), empty steps included, and clears
