@@ -1,4 +1,5 @@
-"""Time the Triton paged decode-attention kernel per tile size and warp count, on a lent GPU.
+"""Time the Triton paged decode-attention kernel per tile size, warp count and product (broadcast
+sums or `tl.dot`), on a lent GPU.
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, bfloat16, blocks of 16),
 for the step shapes the serving benchmark makes: one row of 192 keys (concurrency 1), 64 and 256
@@ -25,7 +26,8 @@ from asyncpp.kernels.triton_attention import triton_attention_kernel  # noqa: E4
 from tests.kernels.test_decode_attention import _case, _reference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-VARIANTS = [(16, 4), (32, 4), (64, 2), (64, 4), (64, 8), (128, 4), (128, 8)]  # (keys per tile, warps)
+# (keys per tile, warps, through tl.dot); the first is the reference the others are checked against
+VARIANTS = [(16, 4, False), (32, 4, False), (64, 4, False), (64, 8, False), (32, 4, True), (64, 4, True), (64, 8, True), (128, 8, True)]
 
 
 def cases() -> dict[str, list[int]]:
@@ -63,14 +65,15 @@ def main() -> int:
         scale = HEAD_DIM**-0.5
         base = None
         results[name] = {}
-        for tile, warps in VARIANTS:
-            fn = triton_attention_kernel("cuda", torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK, tile, warps)
+        for tile, warps, use_dot in VARIANTS:
+            fn = triton_attention_kernel("cuda", torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK, tile, warps, use_dot)
+            label = f"{'dot ' if use_dot else ''}tile {tile}, {warps} warps"
             out = torch.full((len(lens), HEADS * HEAD_DIM), float("nan"), dtype=torch.bfloat16, device="cuda")
             call = lambda: fn(q, k, v, table, rows, context_lens, 0, BLOCK, out, scale)  # noqa: E731
             call()
             torch.cuda.synchronize()
             got = out.float().cpu()
-            assert not got.isnan().any(), f"{name} tile {tile} warps {warps}: rows left unwritten"
+            assert not got.isnan().any(), f"{name} {label}: rows left unwritten"
             if base is None:
                 base = got
                 if len(lens) == 64:
@@ -78,14 +81,14 @@ def main() -> int:
                     rel = ((got.double() - ref).norm() / ref.norm()).item()
                     assert rel < 1e-2, f"{name}: relative error {rel:.2e} against float64"
             rel = ((got - base).norm() / base.norm()).item()
-            assert rel < 1e-2, f"{name} tile {tile} warps {warps}: {rel:.2e} from the one-block tile"
+            assert rel < 1e-2, f"{name} {label}: {rel:.2e} from the one-block tile"
             us = triton.testing.do_bench_cudagraph(call, rep=50, return_mode="median") * 1e3
-            results[name][f"tile {tile}, {warps} warps"] = round(us, 2)
-    variants = [f"tile {t}, {w} warps" for t, w in VARIANTS]
+            results[name][label] = round(us, 2)
+    variants = list(next(iter(results.values())))
     print("us per launch (median of graph replays); one layer's attention")
-    print(f"{'case':26s}" + "".join(f"{v:>18s}" for v in variants))
+    print(f"{'case':26s}" + "".join(f"{v:>22s}" for v in variants))
     for name, row in results.items():
-        print(f"{name:26s}" + "".join(f"{row[v]:18.2f}" for v in variants))
+        print(f"{name:26s}" + "".join(f"{row[v]:22.2f}" for v in variants))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

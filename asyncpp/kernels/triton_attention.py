@@ -53,11 +53,17 @@ def triton_attention_kernel(
     block_size: int = 16,
     keys_per_tile: int = 32,
     num_warps: int = 4,
+    use_dot: bool = False,
 ) -> DecodeAttention | None:
     """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`).
 
     A block size that is not a power of two (Triton's tile sizes must be) gets None. The tile is
-    at least one block; both are powers of two, so a tile holds whole blocks."""
+    at least one block; both are powers of two, so a tile holds whole blocks. `use_dot`: the scores
+    and the weighted sum as `tl.dot` (the query heads of a KV head padded to 16 rows) instead of
+    broadcast products and reductions: TF32 matrix units for bfloat16 / float16 caches, whose values
+    TF32 holds exactly (the probabilities are rounded to TF32 before the second product), and exact
+    float32 for float32 caches; a candidate `scripts/attention_tiles.py` times, not the default (not
+    yet run on a GPU)."""
     if not has_triton() or num_heads % num_kv_heads != 0 or block_size & (block_size - 1):
         return None
     if torch.device(device).type != "cuda" and not is_interpreted():
@@ -69,6 +75,9 @@ def triton_attention_kernel(
     kernel = _build_kernel()
     group = num_heads // num_kv_heads
     tile = max(keys_per_tile, block_size)
+    if use_dot and (tile < 16 or _pow2(head_dim) < 16):
+        raise ValueError(f"use_dot needs tiles and head_dim of at least 16, got {tile} and {head_dim}")
+    group_p = max(16, _pow2(group)) if use_dot else _pow2(group)
 
     def decode_attention(
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
@@ -91,8 +100,9 @@ def triton_attention_kernel(
             q, q.stride(0), k_cache, v_cache, k_cache.stride(0),
             block_table, block_table.stride(0), rows, context_lens,
             out, out.stride(0), scale,
-            GROUP=group, GROUP_P=_pow2(group), HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), BLOCK_SIZE=block_size,
-            TILE=tile, num_warps=num_warps,
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), BLOCK_SIZE=block_size,
+            TILE=tile, USE_DOT=use_dot, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            num_warps=num_warps,
         )  # fmt: skip
 
     return decode_attention
@@ -124,7 +134,7 @@ def _build_kernel():
         table_ptr, table_stride, rows_ptr, lens_ptr,
         out_ptr, out_row_stride, scale,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0)  # query row of the launch
         kv_head = tl.program_id(1)
@@ -152,13 +162,19 @@ def _build_kernel():
             kv_mask = key_ok[:, None] & dim_ok[None, :]
             k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE, HEAD_DIM_P]
             v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_P, TILE]
+            else:
+                s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_P, TILE]
             s = tl.where(key_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])
             denom = denom * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if USE_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
         result = acc / denom[:, None]
         out_offs = row * out_row_stride + q_heads[:, None] * HEAD_DIM + dims[None, :]

@@ -19,8 +19,10 @@ TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 CONTEXT_LENS = [1, 15, 16, 17, 32, 100, 203]
 
 
-def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=32):
-    fn = triton_attention_kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=keys_per_tile)
+def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=32, use_dot=False):
+    fn = triton_attention_kernel(
+        device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=keys_per_tile, use_dot=use_dot
+    )
     assert fn is not None, "Triton kernel unavailable"
     return fn
 
@@ -76,7 +78,25 @@ def check_every_tile_size(device: str) -> None:
         torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-6)
 
 
-CHECKS = [check_matches_float64_reference, check_writes_only_the_given_rows, check_batch_invariant, check_every_tile_size]
+def check_dot_variant(device: str) -> None:
+    """`use_dot`: the same function through `tl.dot` (exact float32; TF32 for bfloat16 caches, which
+    rounds the probabilities to TF32 before the second product: within bfloat16's tolerance)."""
+    for num_heads, num_kv_heads, head_dim in SHAPES:
+        for dtype, atol in TOLERANCES.items():
+            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim, use_dot=True)
+            q, k_cache, v_cache, block_table, context_lens = _case(num_heads, num_kv_heads, head_dim, CONTEXT_LENS, dtype, seed=3)
+            out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
+            ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
+            torch.testing.assert_close(out.double(), ref, atol=atol, rtol=atol)
+
+
+CHECKS = [
+    check_matches_float64_reference,
+    check_writes_only_the_given_rows,
+    check_batch_invariant,
+    check_every_tile_size,
+    check_dot_variant,
+]
 
 if __name__ == "__main__":
     for check in CHECKS:
