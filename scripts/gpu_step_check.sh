@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# #39's step check in one device call (~6 min on an H200): what changed in the GPU step, measured
+# #39's step check in one device call (~6-7 min on an H200, timeout_s 480): what changed in the GPU step, measured
 # against what it replaced in the same call. Reports go to $OUT (default ./gpu-out).
 #   1. the decode-attention kernel's tile variants (scripts/attention_tiles.py), each checked first;
 #   2. the CUDA tests of the step path (tests/cuda/test_cuda_path.py, the Triton kernel's checks);
 #   3. step phases (scripts/gpu_profile.sh's asyncpp part): pp=1 with async output (the default on
-#      CUDA) and without it, at c = 1, 64, 256 (RUNS to change the runs);
+#      CUDA) and without it, and pp=2 (whose CUDA IPC events the cuda.shm count checks), at c = 1,
+#      64, 256 (RUNS to change the runs);
 #   4. where the host time of one served step goes at c = 256: cProfile (wall clock) of the engine
 #      and the stage, top functions by own time;
 #   5. the in-process engine's kernel totals at batch 256 (scripts/profile_step.py); PLAIN=1 adds
@@ -28,7 +29,7 @@ tail -8 "$OUT/cuda_tests.txt"
 
 echo "== step phases"
 shm_before=$(ls /dev/shm | grep -c '^cuda\.shm\.')
-PLAIN=0 RUNS="${RUNS:-pp=1;pp=1,async_output=off}" PROFILE_TIMEOUT=120 STEP_PHASES_ONLY=1 \
+PLAIN=0 RUNS="${RUNS:-pp=1;pp=1,async_output=off;pp=2}" PROFILE_TIMEOUT=120 STEP_PHASES_ONLY=1 \
   bash scripts/gpu_profile.sh 2>&1 | grep -v -E "^    (kv_|update_states|send_output)" | grep -v "^logs in"
 
 echo "cuda.shm files the served engines left in /dev/shm: $(( $(ls /dev/shm | grep -c '^cuda\.shm\.') - shm_before ))"
