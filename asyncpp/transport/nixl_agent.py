@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import importlib.util
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ from asyncpp.logging import get_logger
 # themselves wake it at once. 5 ms keeps an idle agent near 0.3 % of a core (measured: 6 agents, 1.5 %).
 _PROGRESS_DELAY_US = 5000
 _POLL_SLEEP_S = 50e-6  # between polls while `release` waits for a running read
+
+
+def nixl_available() -> bool:
+    """Whether nixl-cu12 is installed (the `pd` and `ray` extras), without importing it."""
+    return importlib.util.find_spec("nixl_cu12") is not None
 
 
 def _nixl() -> Any:

@@ -57,6 +57,7 @@ from asyncpp.kv_transfer.pd.params import (
 )
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
+from asyncpp.transport.nixl_agent import nixl_available
 
 if TYPE_CHECKING:
     from asyncpp.core.request import Request
@@ -70,6 +71,9 @@ class PDScheduler(KVConnectorScheduler):
         super().__init__(ctx)
         if ctx.kv_role not in ROLES:
             raise ConfigError(f"kv_transfer.kv_role must be 'producer' or 'consumer' for the pd connector, got {ctx.kv_role!r}")
+        if not nixl_available():  # else every stage would die at start-up importing it
+            raise ConfigError("kv_transfer.connector = 'pd' moves KV through NIXL, which is not installed: "
+                              "pip install 'asyncpp[pd]' (nixl-cu12)")  # fmt: skip
         self.role = ctx.kv_role
         pull = ctx.extra.get("pull", "sync")
         if pull not in ("sync", "async"):

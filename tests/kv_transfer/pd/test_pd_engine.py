@@ -299,3 +299,14 @@ def test_the_handover_is_timed_per_request(tiny_hf_dir, prompts):
     finally:
         consumer.close()
         producer.close()
+
+
+def test_without_nixl_the_engine_does_not_start(tiny_hf_dir, monkeypatch):
+    """No nixl-cu12: a clear start-up error naming the key and the extra, not stages dying on an import."""
+    from asyncpp.config import ConfigError
+    from asyncpp.kv_transfer.pd import scheduler
+
+    monkeypatch.setattr(scheduler, "nixl_available", lambda: False)
+    kv = {"connector": "pd", "kv_role": "producer", "engine_id": "prefill"}
+    with pytest.raises(ConfigError, match=r"kv_transfer.connector = 'pd'.*asyncpp\[pd\]"):
+        Engine(tiny_config(tiny_hf_dir, kv_transfer=kv))
