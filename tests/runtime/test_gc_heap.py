@@ -11,12 +11,14 @@ def test_freeze_moves_the_live_heap_out_of_collections():
     gc.unfreeze()
     kept = [[i] for i in range(1000)]  # containers, tracked by the GC
     try:
-        num_frozen = freeze_startup_heap()
-        assert num_frozen >= len(kept) and gc.get_freeze_count() == num_frozen
-        assert sum(gc.get_count()) < 10  # a collection ran first: nothing young is left behind
+        assert freeze_startup_heap() >= len(kept)
+        # gc.get_objects() lists the generations collections scan, not the frozen one. (The frozen
+        # count itself may drop meanwhile: frozen objects are still freed when unreferenced.)
+        scanned = {id(o) for o in gc.get_objects()}
+        assert not any(id(k) in scanned for k in kept)
     finally:
         gc.unfreeze()
-    assert gc.get_freeze_count() == 0
+    assert id(kept[0]) in {id(o) for o in gc.get_objects()}  # back under the GC once unfrozen
 
 
 def test_freeze_can_be_turned_off(monkeypatch):
