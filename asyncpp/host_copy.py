@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 
-def to_device(host: np.ndarray | torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`host` (an array or a CPU tensor) on `device`, without waiting for the device's queued work."""
+def to_device(
+    host: np.ndarray | torch.Tensor | list, device: torch.device | str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """`host` (an array, a CPU tensor, or a list of numbers made a tensor of `dtype`) on `device`,
+    without waiting for the device's queued work."""
     device = torch.device(device)
-    t = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    t = _host_tensor(host, dtype)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -27,7 +30,15 @@ def to_device(host: np.ndarray | torch.Tensor, device: torch.device | str) -> to
 
 def copy_into(dst: torch.Tensor, host: np.ndarray | torch.Tensor) -> None:
     """`dst.copy_(host)`, without waiting for the device's queued work."""
-    t = torch.from_numpy(np.ascontiguousarray(host)) if isinstance(host, np.ndarray) else host
+    t = _host_tensor(host)
     if dst.device.type == "cuda":
         t = t.pin_memory()
     dst.copy_(t, non_blocking=True)
+
+
+def _host_tensor(host: np.ndarray | torch.Tensor | list, dtype: torch.dtype | None = None) -> torch.Tensor:
+    if isinstance(host, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(host))
+    if isinstance(host, torch.Tensor):
+        return host
+    return torch.tensor(host, dtype=dtype)

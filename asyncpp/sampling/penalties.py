@@ -30,7 +30,7 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RequestSamplingState]
     device = logits.device
     num_rows, vocab_size = len(rows), logits.shape[1]
     penalized = [states[i] for i in rows]
-    row_ids = to_device(torch.tensor(rows, dtype=torch.int64), device)  # [num_rows]
+    row_ids = to_device(rows, device, torch.int64)  # [num_rows]
     # Only the seen tokens change, so work is gather/scatter over padded id
     # tensors; a spare last column absorbs the padding id `vocab_size`.
     row_logits = torch.empty(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
@@ -67,4 +67,4 @@ def _padded(token_id_lists: Sequence[Sequence[int]], pad_id: int, device: torch.
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(values, dtype=torch.float32), device).unsqueeze(1)  # [n, 1]
+    return to_device(values, device, torch.float32).unsqueeze(1)  # [n, 1]

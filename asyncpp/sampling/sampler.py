@@ -51,11 +51,9 @@ class Sampler:
             raise ValueError(
                 f"logits must be [num_reqs={len(states)}, vocab_size={self.vocab_size}], got {list(logits.shape)}"
             )
-        logits = logits.to(device=self.device)
-        if self._is_plain_greedy(states):
-            # argmax is exact in any float dtype: skip the float32 copy.
-            return SamplerOutput(argmax_rows(logits, self.isa).cpu())
-        logits = logits.to(dtype=torch.float32)
+        if not self.reads_history(states):  # only the tokens: no logprobs, penalties or seeded draws
+            return SamplerOutput(self.sample_on_device(logits, states).cpu())
+        logits = logits.to(device=self.device, dtype=torch.float32)
         logprob_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = None  # [num_logprob_rows, vocab_size]
         if logprob_rows:
@@ -84,12 +82,9 @@ class Sampler:
             raise ValueError("sample_on_device: a request uses penalties, a seed or logprobs")
         logits = logits.to(device=self.device)
         if all(s.params.is_greedy for s in states):
+            # argmax is exact in any float dtype: skip the float32 copy.
             return argmax_rows(logits, self.isa)
         return self._sample(logits.to(dtype=torch.float32), states)
-
-    @staticmethod
-    def _is_plain_greedy(states: Sequence[RequestSamplingState]) -> bool:
-        return all(s.params.is_greedy and s.params.logprobs is None and not s.params.uses_penalties for s in states)
 
     def _sample(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
@@ -121,12 +116,12 @@ class Sampler:
         filters (divide by the row sum for probabilities).
         """
         params = [s.params for s in states]
-        temperatures = to_device(torch.tensor([p.temperature for p in params], dtype=torch.float32), self.device)
+        temperatures = to_device([p.temperature for p in params], self.device, torch.float32)
         probs = (logits / temperatures.unsqueeze(1)).softmax(dim=-1)  # a fresh tensor the filters may write to
 
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
-            apply_min_p(probs, to_device(torch.tensor(min_p, dtype=torch.float32), self.device))
+            apply_min_p(probs, to_device(min_p, self.device, torch.float32))
         self._apply_top_k_top_p(probs, params)
         return probs
 
@@ -139,8 +134,8 @@ class Sampler:
             return
         uses_top_k = any(top_k[j] < self.vocab_size for j in rows)
         uses_top_p = any(top_p[j] < 1.0 for j in rows)
-        k = to_device(torch.tensor([top_k[j] for j in rows], dtype=torch.int64), self.device) if uses_top_k else None
-        p = to_device(torch.tensor([top_p[j] for j in rows], dtype=torch.float32), self.device) if uses_top_p else None
+        k = to_device([top_k[j] for j in rows], self.device, torch.int64) if uses_top_k else None
+        p = to_device([top_p[j] for j in rows], self.device, torch.float32) if uses_top_p else None
         if len(rows) == len(params):
             apply_top_k_top_p(probs, k, p)
             return
@@ -203,4 +198,4 @@ class Sampler:
         )
 
     def _index(self, rows: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+        return to_device(rows, self.device, torch.int64)

@@ -102,8 +102,8 @@ class DeviceTokens:
             dst_rows.append(row)
             src_rows.append(src)
         for sample, dst_rows, src_rows in by_sample.values():
-            dst = to_device(np.array(dst_rows, dtype=np.int64), input_ids.device)
-            src = to_device(np.array(src_rows, dtype=np.int64), input_ids.device)
+            dst = to_device(dst_rows, input_ids.device, torch.int64)
+            src = to_device(src_rows, input_ids.device, torch.int64)
             input_ids.index_copy_(0, dst, sample.device_tensor.index_select(0, src))
 
     def __contains__(self, req_id: str) -> bool:
