@@ -17,16 +17,20 @@ where attention = sum over requests of tokens * context. The weights are
 fitted online by recursive least squares to the busy times the stages report,
 forgetting old steps. They start from a prior drawn from parameter counts, so
 the split follows the machine and the load. Placement changes which process
-runs a layer, never what it computes: tokens do not depend on it.
+runs a layer, never what it computes, as long as two steps that share KV blocks
+reach each shared layer in step order: `asyncpp.engine.kv_order` lowers the
+chosen bounds where an in-flight step could race with the new one.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 
 import numpy as np
 
 from asyncpp.core.plan import StepPlan
+from asyncpp.engine.kv_order import ordered_bounds
 from asyncpp.model.arch import ModelArch
 
 # Feature units, so that every feature of a typical step is of order 1 (RLS conditioning).
@@ -68,8 +72,15 @@ class LayerBalancer:
         self.num_observed = 0
 
     # ---- choosing ---------------------------------------------------------------------------
-    def bounds(self, plan: StepPlan) -> tuple[int, ...]:
-        """Where stages 1.. start this step: the predicted stage times as even as the windows allow."""
+    def bounds(self, plan: StepPlan, in_flight: Iterable[StepPlan] = ()) -> tuple[int, ...]:
+        """Where stages 1.. start this step: the predicted stage times as even as the windows allow,
+        lowered where a step still `in_flight` shares KV blocks with it (`kv_order`)."""
+        chosen = ordered_bounds(self.wanted_bounds(plan), plan, in_flight, self.static_bounds)
+        self.bounds_counts[chosen] += 1
+        return chosen
+
+    def wanted_bounds(self, plan: StepPlan) -> tuple[int, ...]:
+        """The cost model's bounds for `plan`, before any ordering constraint."""
         tokens, attention, samples = _step_features(plan)
         a, b, c, d, e = np.maximum(self.theta, 0.0)
         per_layer = a * tokens + b * attention + c
@@ -83,9 +94,7 @@ class LayerBalancer:
                 end = starts[i + 1] if i + 1 < len(starts) else self.num_layers
                 extra = last_extra if i + 1 == len(starts) else 0.0
                 starts[i] = _balance_pair(begin, end, lo, hi, per_layer, extra)
-        chosen = tuple(starts)
-        self.bounds_counts[chosen] += 1
-        return chosen
+        return tuple(starts)
 
     # ---- fitting ----------------------------------------------------------------------------
     def observe(self, plan: StepPlan, busy_s: list[float]) -> None:

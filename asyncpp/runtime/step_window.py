@@ -149,7 +149,8 @@ class StepWindow:
                     plan = dataclasses.replace(plan, num_threads=n)
                     self.num_lent_steps += 1
                 if self.balancer is not None and not plan.is_empty:
-                    plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan))
+                    in_flight = (step.plan for step in self.in_flight.values())
+                    plan = dataclasses.replace(plan, layer_bounds=self.balancer.bounds(plan, in_flight))
                 self.in_flight[plan.step_id] = _InFlightStep(plan, time.monotonic())
                 self.last_dispatched_step_id = plan.step_id
                 self._last_prefill_tokens = num_prefill_tokens(plan)

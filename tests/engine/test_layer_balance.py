@@ -87,3 +87,14 @@ def test_step_features():
     assert tokens == pytest.approx(66 / 64)
     assert attention == pytest.approx((2 * 513 + 64 * 64) / (64 * 1024))
     assert samples == pytest.approx(3 / 16)
+
+
+def test_bounds_are_lowered_for_an_in_flight_step_sharing_blocks_and_counted_as_run():
+    balancer = LayerBalancer(SMOLLM2, RANGES, shift_windows(RANGES, 4))
+    plan = _plan(1, num_decode=8)
+    wanted = balancer.wanted_bounds(plan)
+    assert wanted[0] > 14  # decode steps give the first stage more layers
+    racing = StepPlan(0, [ScheduledRequest("p", [1] * 32, 0, [0], False)], layer_bounds=(14,))  # shares block 0
+    assert balancer.bounds(plan, [racing]) == (14,)
+    assert balancer.bounds(plan) == wanted
+    assert balancer.stats()["bounds_counts"] == {"14": 1, str(wanted[0]): 1}
