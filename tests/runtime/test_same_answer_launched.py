@@ -1,0 +1,61 @@
+"""The default deployment answers the same whatever its split and threads do, step by step.
+
+`moving_split_launch` makes the boundary jump around the shift window and the lent
+threads come and go on every step, and holds the last stage back on prompt steps
+so the first stage runs the next prompt chunk ahead of it (what a busy core did
+by chance, #51). Greedy tokens must equal the fixed split's, one prompt at a time
+(a prompt's chunks in flight together) and all at once (shared prefix blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from asyncpp.config import load_config
+from asyncpp.engine.engine import Engine
+from asyncpp.sampling.params import SamplingParams
+from tests.runtime.conftest import collect
+from tests.runtime.harness import launched
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+
+DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.toml"
+CHATS = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Translate 'good morning' into French."}],
+    [{"role": "user", "content": "Tell me about the sea"}],
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three colors."}],
+    [{"role": "user", "content": "Explain recursion to a child in two sentences, then give an example in Python."}],
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def fixed_split() -> list[list[int]]:
+    config = load_config(DEFAULT_CONFIG)
+    config = config.replace(parallel={"shift_layers": 0})
+    return [r.token_ids for r in Engine(config).generate(CHATS, GREEDY)]
+
+
+async def test_a_split_and_threads_that_move_every_step_give_the_fixed_split_s_tokens(tmp_path, fixed_split):
+    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
+    sections["server"].update(port=0, grace_period_s=2.0)
+    with launched(tmp_path, sections, module="tests.runtime.moving_split_launch", ready_timeout_s=300) as engine:
+        client = AsyncClient(engine.address)
+        try:
+            alone = [(await collect(client, chat, GREEDY))[0] for chat in CHATS]
+            together = await asyncio.gather(*(collect(client, chat, GREEDY) for chat in CHATS))
+            stats = await client.stats()
+        finally:
+            client.close()
+    assert alone == fixed_split
+    assert [tokens for tokens, _, _ in together] == fixed_split
+    # The hooks did vary what they should: many splits, steps with and without lent threads.
+    assert len(stats["layer_balance"]["bounds_counts"]) >= 4, stats["layer_balance"]
+    assert 0 < stats["num_lent_steps"] < stats["num_steps"]
