@@ -12,8 +12,9 @@
  *
  * Batch invariance: every output y[m, n] is one float32 accumulator summed
  * over the input pairs in order, then rounded to bfloat16 (nearest, ties to
- * even). Nothing depends on the number of rows, on the tile a row lands in, or
- * on the thread count, so a token's output never depends on its batch.
+ * even), or written as it is (the `_f32out` entry points: a model's logits).
+ * Nothing depends on the number of rows, on the tile a row lands in, or on the
+ * thread count, so a token's output never depends on its batch.
  *
  * Built with -march=native: `linear_bf16_supported()` is 0 where the CPU lacks
  * AVX512-BF16 and the caller falls back to oneDNN.
@@ -40,6 +41,18 @@
 
 int linear_bf16_supported(void) { return HAVE_AVX512_BF16; }
 
+/* Where a kernel's outputs go: rows `ld` elements apart, of bfloat16 (f32 = 0) or float32 (f32 = 1). */
+typedef struct {
+    char *p;
+    int64_t ld;
+    int f32;
+} out_rows;
+
+static inline out_rows out_at(out_rows y, int64_t i) {
+    y.p += i * y.ld * (y.f32 ? 4 : 2);
+    return y;
+}
+
 int64_t linear_bf16_packed_numel(int64_t n, int64_t k) { return (n + BLOCK - 1) / BLOCK * BLOCK * ((k + 1) / 2 * 2); }
 
 void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed) {
@@ -55,8 +68,15 @@ void linear_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed)
 
 #if HAVE_AVX512_BF16
 
-/* Columns [col, col + 16) of a row, rounded to bfloat16; only those below n are written. */
-static inline void store_panel_bf16(uint16_t *row, int64_t col, int64_t n, __m512 acc) {
+/* Columns [col, col + 16) of a row, rounded to bfloat16 or as they are (float32); only those below n
+ * are written. */
+static inline void store_panel(out_rows y, int64_t col, int64_t n, __m512 acc) {
+    if (y.f32) {
+        const __mmask16 lanes = col + PANEL <= n ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - col)) - 1);
+        _mm512_mask_storeu_ps((float *)y.p + col, lanes, acc);
+        return;
+    }
+    uint16_t *row = (uint16_t *)y.p;
     const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc);
     if (col + PANEL <= n) {
         _mm256_storeu_si256((__m256i *)(row + col), out);
@@ -71,8 +91,8 @@ static inline void store_panel_bf16(uint16_t *row, int64_t col, int64_t n, __m51
  * kp = tile_index (mod num_tiles) of the next block `next` (NULL: none). */
 static inline __attribute__((always_inline)) void block_tile(const uint16_t *x, int64_t ldx, const int mt,
                                                              const uint16_t *wp, const uint16_t *next, int64_t k,
-                                                             int64_t tile_index, int64_t num_tiles, uint16_t *y,
-                                                             int64_t ldy, int64_t n0, int64_t n) {
+                                                             int64_t tile_index, int64_t num_tiles, out_rows y,
+                                                             int64_t n0, int64_t n) {
     const int64_t kpairs = (k + 1) / 2, kfull = k / 2, panel_stride = kpairs * 2 * PANEL;
     __m512 acc[MT][NB];
     for (int i = 0; i < mt; i++)
@@ -90,15 +110,15 @@ static inline __attribute__((always_inline)) void block_tile(const uint16_t *x, 
         }
     }
     for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, acc[i][j]);
+        for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel(out_at(y, i), n0 + j * PANEL, n, acc[i][j]);
 }
 
 #define TILE_CASE(rows) \
-    case rows: block_tile(x, ldx, rows, wp, next, k, tile_index, num_tiles, y, ldy, n0, n); break;
+    case rows: block_tile(x, ldx, rows, wp, next, k, tile_index, num_tiles, y, n0, n); break;
 
 /* One specialised body per row count, so the accumulators stay in registers. */
 static void any_tile(const uint16_t *x, int64_t ldx, int mt, const uint16_t *wp, const uint16_t *next, int64_t k,
-                     int64_t tile_index, int64_t num_tiles, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {
+                     int64_t tile_index, int64_t num_tiles, out_rows y, int64_t n0, int64_t n) {
     switch (mt) {
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
     }
@@ -106,9 +126,9 @@ static void any_tile(const uint16_t *x, int64_t ldx, int mt, const uint16_t *wp,
 
 #endif
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ w^T, w packed by linear_bf16_pack. */
-void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *packed, int64_t n, int64_t k, uint16_t *y,
-                 int64_t ldy, int num_threads) {
+/* y [m, n] = x [m, k] (row stride ldx) @ w^T, w packed by linear_bf16_pack. */
+static void linear_bf16_rows(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
+                             out_rows y, int num_threads) {
 #if HAVE_AVX512_BF16
     const int64_t num_blocks = (n + BLOCK - 1) / BLOCK, block_numel = BLOCK * ((k + 1) / 2 * 2);
     for (int64_t m0 = 0; m0 < m; m0 += MCHUNK) {
@@ -118,13 +138,25 @@ void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *pack
             const uint16_t *wp = packed + b * block_numel, *next = b + 1 < num_blocks ? wp + block_numel : NULL;
             for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 16 rows = 6 + 5 + 5 */
                 const int64_t i0 = m0 + t * rows / num_tiles, i1 = m0 + (t + 1) * rows / num_tiles;
-                any_tile(x + i0 * ldx, ldx, (int)(i1 - i0), wp, next, k, t, num_tiles, y + i0 * ldy, ldy, b * BLOCK, n);
+                any_tile(x + i0 * ldx, ldx, (int)(i1 - i0), wp, next, k, t, num_tiles, out_at(y, i0), b * BLOCK, n);
             }
         }
     }
 #else
-    (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)ldy, (void)num_threads;
+    (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)num_threads;
 #endif
+}
+
+/* bfloat16 outputs, row stride ldy. */
+void linear_bf16(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *packed, int64_t n, int64_t k, uint16_t *y,
+                 int64_t ldy, int num_threads) {
+    linear_bf16_rows(x, ldx, m, packed, n, k, (out_rows){(char *)y, ldy, 0}, num_threads);
+}
+
+/* float32 outputs (the sums before rounding), row stride ldy. */
+void linear_bf16_f32out(const uint16_t *x, int64_t ldx, int64_t m, const uint16_t *packed, int64_t n, int64_t k,
+                        float *y, int64_t ldy, int num_threads) {
+    linear_bf16_rows(x, ldx, m, packed, n, k, (out_rows){(char *)y, ldy, 1}, num_threads);
 }
 
 /* ---- GGUF blocks (Q8_0, Q4_0, Q4_1): bfloat16 activations times the exact quantized weights ----
@@ -306,7 +338,7 @@ static inline __m512 qb_block_step(const int with_m, __m512 acc, __m512 part, __
 static inline __attribute__((always_inline)) void qb_tile(const int fmt, const int mt, const int np, const int mem,
                                                           const int j0, const int prefetch, const uint16_t *x,
                                                           int64_t ldx, const float *sx, const uint8_t *wb, int64_t k,
-                                                          __m512i q4_table, uint16_t *y, int64_t ldy, int64_t n0,
+                                                          __m512i q4_table, out_rows y, int64_t n0,
                                                           int64_t n) {
     const int64_t nb = k / QK, pb = qb_panel_block_bytes(fmt), hdr = qb_header_bytes(fmt);
     __m512 acc[QB_TILE_ROWS][NB];
@@ -351,19 +383,19 @@ static inline __attribute__((always_inline)) void qb_tile(const int fmt, const i
     }
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < np && n0 + (j0 + j) * PANEL < n; j++)
-            store_panel_bf16(y + i * ldy, n0 + (j0 + j) * PANEL, n, mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j]);
+            store_panel(out_at(y, i), n0 + (j0 + j) * PANEL, n, mem ? _mm512_load_ps(acc_mem[i][j]) : acc[i][j]);
 }
 
 /* A tile of R rows times one BLOCK, NP panels at a time, acc in registers (MEM 0) or memory (MEM 1):
  * one function per format and row count. */
-typedef void (*qb_tile_fn)(const uint16_t *, int64_t, const float *, int, const uint8_t *, int64_t, __m512i, uint16_t *,
-                           int64_t, int64_t, int64_t);
+typedef void (*qb_tile_fn)(const uint16_t *, int64_t, const float *, int, const uint8_t *, int64_t, __m512i, out_rows,
+                           int64_t, int64_t);
 #define QB_TILE_DEF(F, R, NP, MEM)                                                                                   \
     static __attribute__((noinline, aligned(64))) void qb_tile_##F##_##R(                                            \
-        const uint16_t *x, int64_t ldx, const float *sx, int pf, const uint8_t *wb, int64_t k, __m512i t, uint16_t *y, \
-        int64_t ldy, int64_t n0, int64_t n) {                                                                        \
+        const uint16_t *x, int64_t ldx, const float *sx, int pf, const uint8_t *wb, int64_t k, __m512i t, out_rows y,   \
+        int64_t n0, int64_t n) {                                                                                                                                                             \
         for (int j0 = 0; j0 < NB; j0 += NP)                                                                          \
-            qb_tile(F, R, NP, MEM, j0, pf && j0 == 0, x, ldx, sx, wb, k, t, y, ldy, n0, n);                          \
+            qb_tile(F, R, NP, MEM, j0, pf && j0 == 0, x, ldx, sx, wb, k, t, y, n0, n);                               \
     }
 #define QB_Q4_SHAPES(F)                                                                                 \
     QB_TILE_DEF(F, 1, 4, 0) QB_TILE_DEF(F, 2, 4, 0) QB_TILE_DEF(F, 3, 4, 1) QB_TILE_DEF(F, 4, 4, 1) \
@@ -443,7 +475,7 @@ static void qb_expand_block(const int fmt, const uint8_t *wb, int64_t k, __m512i
 static inline __attribute__((always_inline)) void qe_tile(const int with_m, const int mt, const uint16_t *x,
                                                           int64_t ldx, const float *sx, const struct qb_expanded *e,
                                                           const char *next, int64_t block_bytes, int64_t k,
-                                                          uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {
+                                                          out_rows y, int64_t n0, int64_t n) {
     const int64_t nb = k / QK, kpairs = k / 2;
     float acc[QE_TILE_ROWS][NB][PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < mt; i++)
@@ -473,16 +505,16 @@ static inline __attribute__((always_inline)) void qe_tile(const int with_m, cons
     }
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < NB && n0 + j * PANEL < n; j++)
-            store_panel_bf16(y + i * ldy, n0 + j * PANEL, n, _mm512_load_ps(acc[i][j]));
+            store_panel(out_at(y, i), n0 + j * PANEL, n, _mm512_load_ps(acc[i][j]));
 }
 
 typedef void (*qe_tile_fn)(const uint16_t *, int64_t, const float *, const struct qb_expanded *, const char *, int64_t,
-                           int64_t, uint16_t *, int64_t, int64_t, int64_t);
+                           int64_t, out_rows, int64_t, int64_t);
 #define QE_TILE_DEF(M, R)                                                                                    \
     static __attribute__((noinline, aligned(64))) void qe_tile_##M##_##R(                                    \
         const uint16_t *x, int64_t ldx, const float *sx, const struct qb_expanded *e, const char *next,     \
-        int64_t block_bytes, int64_t k, uint16_t *y, int64_t ldy, int64_t n0, int64_t n) {                   \
-        qe_tile(M, R, x, ldx, sx, e, next, block_bytes, k, y, ldy, n0, n);                                   \
+        int64_t block_bytes, int64_t k, out_rows y, int64_t n0, int64_t n) {                                \
+        qe_tile(M, R, x, ldx, sx, e, next, block_bytes, k, y, n0, n);                                        \
     }
 /* More than 16 rows in near-equal tiles of at most 6 take 4 to 6 rows each (17 = 5 + 6 + 6). */
 #define QE_MIN_TILE_ROWS 4
@@ -506,10 +538,10 @@ static struct qb_expanded qb_expanded_alloc(int64_t k) {
 
 #endif
 
-/* y [m, n] bf16 = x [m, k] bf16 @ w^T, w packed by linear_bf16_q_pack. Returns 0, -1 without AVX512-BF16,
+/* y [m, n] = x [m, k] bf16 @ w^T, w packed by linear_bf16_q_pack. Returns 0, -1 without AVX512-BF16,
  * -2 when memory for the block sums could not be allocated. */
-int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n, int64_t k,
-                  uint16_t *y, int64_t ldy, int num_threads) {
+static int linear_bf16_q_rows(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
+                              int64_t k, out_rows y, int num_threads) {
 #if HAVE_AVX512_BF16
     const int64_t num_blocks = (n + BLOCK - 1) / BLOCK, block_bytes = NB * (k / QK) * qb_panel_block_bytes(fmt);
     if (m <= 0) return 0;
@@ -539,7 +571,7 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
                     const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
                     const char *next = t == 0 ? (const char *)(wb + block_bytes) : NULL; /* may pass the end: a hint */
                     qe_tiles[fmt == QB_Q4_1][i1 - i0 - QE_MIN_TILE_ROWS](x + i0 * ldx, ldx, tile_sx, &e, next,
-                                                                         block_bytes / nb, k, y + i0 * ldy, ldy,
+                                                                         block_bytes / nb, k, out_at(y, i0),
                                                                          b * BLOCK, n);
                 }
                 continue;
@@ -547,7 +579,7 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
             for (int64_t t = 0; t < num_tiles; t++) { /* tiles of near-equal size: 20 rows = 6 + 7 + 7 */
                 const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
                 const float *tile_sx = sx == NULL ? NULL : sx + i0 * nb;
-                tiles[i1 - i0 - 1](x + i0 * ldx, ldx, tile_sx, t == 0, wb, k, table, y + i0 * ldy, ldy, b * BLOCK, n);
+                tiles[i1 - i0 - 1](x + i0 * ldx, ldx, tile_sx, t == 0, wb, k, table, out_at(y, i0), b * BLOCK, n);
             }
         }
         free(e.w), free(e.d), free(e.m);
@@ -555,7 +587,19 @@ int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint
     free(sx);
     return 0;
 #else
-    (void)fmt, (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)ldy, (void)num_threads;
+    (void)fmt, (void)x, (void)ldx, (void)m, (void)packed, (void)n, (void)k, (void)y, (void)num_threads;
     return -1;
 #endif
+}
+
+/* bfloat16 outputs, row stride ldy (the layer stack's linear: qlinear's signature). */
+int linear_bf16_q(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n, int64_t k,
+                  uint16_t *y, int64_t ldy, int num_threads) {
+    return linear_bf16_q_rows(fmt, x, ldx, m, packed, n, k, (out_rows){(char *)y, ldy, 0}, num_threads);
+}
+
+/* float32 outputs (the sums before rounding), row stride ldy. */
+int linear_bf16_q_f32out(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
+                         int64_t k, float *y, int64_t ldy, int num_threads) {
+    return linear_bf16_q_rows(fmt, x, ldx, m, packed, n, k, (out_rows){(char *)y, ldy, 1}, num_threads);
 }

@@ -23,14 +23,18 @@ _SIGNATURES = {
     "linear_bf16_packed_numel": ([_I64, _I64], _I64),
     "linear_bf16_pack": ([_PTR, _I64, _I64, _PTR], None),
     "linear_bf16": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
+    "linear_bf16_f32out": ([_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], None),
     "linear_bf16_q_check": ([_INT, _I64], _INT),
     "linear_bf16_q_packed_nbytes": ([_INT, _I64, _I64], _I64),
     "linear_bf16_q_pack": ([_INT, _PTR, _I64, _I64, _PTR], None),
     "linear_bf16_q": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
+    "linear_bf16_q_f32out": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "linear_bf16_q_dequant_rows": ([_INT, _PTR, _I64, _PTR, _I64, _PTR], None),
 }
 # GGUF block formats the kernel multiplies in place, by qlinear's codes (linear_bf16.c shares them).
 BLOCK_FORMAT_CODES = {fmt: FORMATS[fmt] for fmt in BLOCK_FORMATS}
+# Output dtypes: the float32 sums rounded to bfloat16 once (activations), or kept (logits).
+OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
 class Bf16Linear:
@@ -60,16 +64,23 @@ class Bf16Linear:
         return packed
 
     def linear_blocks(
-        self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
+        self,
+        fmt: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
     ) -> torch.Tensor:
-        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` bfloat16: the inputs times the exact
-        dequantized weight, float32 sums rounded once (written into `out`, a column slice maybe, when given)."""
+        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]`: the inputs times the exact dequantized
+        weight, float32 sums, rounded once to bfloat16 or kept in float32 (`out_dtype`, or `out`'s
+        dtype: written into `out`, a column slice maybe, when given)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
-        if out is None:
-            out = x.new_empty(rows, out_features)
-        status = self._lib.linear_bf16_q(
+        out = _output(out, rows, out_features, out_dtype)
+        entry = self._lib.linear_bf16_q if out.dtype == torch.bfloat16 else self._lib.linear_bf16_q_f32out
+        status = entry(
             BLOCK_FORMAT_CODES[fmt], x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
             out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
@@ -86,17 +97,35 @@ class Bf16Linear:
         )
         return out
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-        """`x` `[rows, in]` bfloat16 with a contiguous last dimension -> `[rows, out_features]`."""
+    def linear(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        out_features: int,
+        out: torch.Tensor | None = None,
+        out_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` in `out_dtype` (or `out`'s: bfloat16, or
+        float32 for the sums unrounded)."""
         if x.stride(1) != 1:
             x = x.contiguous()
         rows, in_features = x.shape
-        y = x.new_empty(rows, out_features)
-        self._lib.linear_bf16(
+        out = _output(out, rows, out_features, out_dtype)
+        entry = self._lib.linear_bf16 if out.dtype == torch.bfloat16 else self._lib.linear_bf16_f32out
+        entry(
             x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
-            y.data_ptr(), out_features, torch.get_num_threads(),
+            out.data_ptr(), out.stride(0), torch.get_num_threads(),
         )  # fmt: skip
-        return y
+        return out
+
+
+def _output(out: torch.Tensor | None, rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """`out`, checked, or a new `[rows, out_features]` tensor of `dtype`."""
+    if out is None:
+        out = torch.empty(rows, out_features, dtype=dtype)
+    if out.dtype not in OUT_DTYPES or out.shape != (rows, out_features) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{rows}, {out_features}] bfloat16 or float32 with contiguous rows")
+    return out
 
 
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -127,8 +156,7 @@ class Bf16NativeKernel:
             raise TypeError(f"this kernel takes bfloat16 activations, got {x.dtype}")
         if fmt in BLOCK_FORMAT_CODES:
             return self.kernel.linear_blocks(fmt, x, packed, out_features, out)
-        y = self.kernel.linear(x, packed, out_features)
-        return y if out is None else out.copy_(y)
+        return self.kernel.linear(x, packed, out_features, out)
 
     def dequant_rows(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor:
         """float32 rows `ids` (for embeddings): GGUF's dequantization, or the bfloat16 values."""

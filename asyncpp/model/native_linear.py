@@ -37,13 +37,16 @@ class NativeKernel(Protocol):
 
     def linear(
         self, fmt: str, x: torch.Tensor, packed: torch.Tensor, out_features: int, out: torch.Tensor | None = None
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """`x @ w.T` into `out` when given: the kernel's dtype, or float32 (the sums unrounded)."""
+        ...
 
     def dequant_rows(self, fmt: str, packed: torch.Tensor, in_features: int, ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class NativeLinear(nn.Module, StackableLinear):
-    """A bias-free linear layer: `[..., in]` -> `[..., out]` in the kernel's dtype (one the layer stack can run)."""
+    """A bias-free linear layer: `[..., in]` -> `[..., out]` in the kernel's dtype (one the layer stack can run),
+    or in `out_dtype` = float32 where set (a model's logits: `asyncpp.model.logits_head`)."""
 
     def __init__(self, runs: list[tuple[str, torch.Tensor, int]], in_features: int, kernel: NativeKernel) -> None:
         """`runs`: (format, packed weight, out_features) per run of output columns, in order."""
@@ -52,21 +55,18 @@ class NativeLinear(nn.Module, StackableLinear):
         self.in_features = in_features
         self.out_features = sum(n for _, _, n in runs)
         self.kernel = kernel
+        self.out_dtype = kernel.dtype
 
     def packed_tensors(self) -> list[torch.Tensor]:
         return [packed for _, packed, _ in self.runs]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if len(self.runs) == 1:
-            fmt, packed, n = self.runs[0]
-            y = self.kernel.linear(fmt, x2, packed, n)
-        else:
-            y = x2.new_empty(x2.shape[0], self.out_features)
-            col = 0
-            for fmt, packed, n in self.runs:
-                self.kernel.linear(fmt, x2, packed, n, out=y[:, col : col + n])
-                col += n
+        y = x2.new_empty(x2.shape[0], self.out_features, dtype=self.out_dtype)
+        col = 0
+        for fmt, packed, n in self.runs:
+            self.kernel.linear(fmt, x2, packed, n, out=y[:, col : col + n])
+            col += n
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

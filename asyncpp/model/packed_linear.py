@@ -71,20 +71,20 @@ class PackedLinear(nn.Module):
 class KernelLinear(nn.Module):
     """A bias-free linear layer computed by asyncpp's `linear_bf16` kernel on its packed weight."""
 
-    def __init__(self, weight: torch.Tensor, kernel: Bf16Linear) -> None:
+    def __init__(self, weight: torch.Tensor, kernel: Bf16Linear, out_dtype: torch.dtype = torch.bfloat16) -> None:
+        """`out_dtype`: bfloat16 (activations), or float32 for the sums unrounded (logits)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel = kernel
+        self.out_dtype = out_dtype
         self.packed_weight = kernel.pack(weight)  # a plain attribute, as in PackedLinear
 
     def packed_tensors(self) -> list[torch.Tensor]:
         return [self.packed_weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            return self.kernel.linear(x, self.packed_weight, self.out_features)
-        y = self.kernel.linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
+        y = self.kernel.linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features, out_dtype=self.out_dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=linear_bf16"

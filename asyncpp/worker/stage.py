@@ -23,6 +23,7 @@ from asyncpp.kv_transfer.base import KVConnectorWorker
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.llama import LlamaModel
+from asyncpp.model.logits_head import float32_logits_head
 from asyncpp.model.native_linear import NativeKernel, NativeWeights
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.speculative.proposer import create_proposer
@@ -86,6 +87,8 @@ def build_model_slice(
     model = model.to(device=device, dtype=dtype)
     model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
     bf16_kernel = linear_bf16_kernel(device, dtype, isa) if linear_kernel == "auto" else None
+    if model.is_last:  # before packing: the head keeps its own float32-output form
+        model.lm_head = float32_logits_head(model.lm_head, bf16_kernel, isa)
     num_packed = 0
     if bf16_kernel is not None or can_pack(device, dtype):
         num_packed = pack_linear_layers(model, bf16_kernel)
