@@ -4,7 +4,8 @@
 threads come and go on every step, and holds the last stage back on prompt steps
 so the first stage runs the next prompt chunk ahead of it (what a busy core did
 by chance, #51). Greedy tokens must equal the fixed split's, one prompt at a time
-(a prompt's chunks in flight together) and all at once (shared prefix blocks).
+(a prompt's chunks in flight together) and all at once (shared prefix blocks);
+seeded sampling's, alone and among the greedy requests.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ CHATS = [
     [{"role": "user", "content": "Explain recursion to a child in two sentences, then give an example in Python."}],
 ]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
 
 
 @pytest.fixture(scope="module")
-def fixed_split() -> list[list[int]]:
-    config = load_config(DEFAULT_CONFIG)
-    config = config.replace(parallel={"shift_layers": 0})
-    return [r.token_ids for r in Engine(config).generate(CHATS, GREEDY)]
+def fixed_split() -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of every chat, and seeded ones of the first two, from a fixed split in process."""
+    engine = Engine(load_config(DEFAULT_CONFIG).replace(parallel={"shift_layers": 0}))
+    greedy = [r.token_ids for r in engine.generate(CHATS, GREEDY)]
+    return greedy, [r.token_ids for r in engine.generate(CHATS[:2], SEEDED)]
 
 
 async def test_a_split_and_threads_that_move_every_step_give_the_fixed_split_s_tokens(tmp_path, fixed_split):
@@ -51,11 +54,17 @@ async def test_a_split_and_threads_that_move_every_step_give_the_fixed_split_s_t
         try:
             alone = [(await collect(client, chat, GREEDY))[0] for chat in CHATS]
             together = await asyncio.gather(*(collect(client, chat, GREEDY) for chat in CHATS))
+            seeded_alone = [(await collect(client, chat, SEEDED))[0] for chat in CHATS[:2]]
+            crowd = [(chat, SEEDED if i < 2 else GREEDY) for i, chat in enumerate(CHATS[:2] + CHATS)]
+            seeded_crowded = await asyncio.gather(*(collect(client, chat, params) for chat, params in crowd))
             stats = await client.stats()
         finally:
             client.close()
-    assert alone == fixed_split
-    assert [tokens for tokens, _, _ in together] == fixed_split
+    greedy, seeded = fixed_split
+    assert alone == greedy
+    assert [tokens for tokens, _, _ in together] == greedy
+    assert seeded_alone == seeded and seeded != greedy[:2]
+    assert [tokens for tokens, _, _ in seeded_crowded] == seeded + greedy
     # The hooks did vary what they should: many splits, steps with and without lent threads.
     assert len(stats["layer_balance"]["bounds_counts"]) >= 4, stats["layer_balance"]
     assert 0 < stats["num_lent_steps"] < stats["num_steps"]
