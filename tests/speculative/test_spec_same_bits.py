@@ -6,57 +6,17 @@ after the remote first token), and with drafts capped by `max_model_len`."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.worker.model_runner import ModelRunner
 from tests.conftest import tiny_config
 from tests.kv_transfer.pd.pd_harness import pd_engine, serve_pd
+from tests.row_logits import RowRecorder, assert_rows_equal_single_rows
 from tests.speculative.test_spec_engine import SPEC, repetitive_prompts
 from tests.speculative.test_spec_real_model import REPEAT
 
 BF16 = {"dtype": "bfloat16"}
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-
-
-class RowRecorder:
-    """Each logits row the last stage samples from, keyed by (prompt, the tokens after it the row was
-    computed from); with how many drafts of its step came before it."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.rows: dict[tuple, tuple[int, torch.Tensor]] = {}
-        original = ModelRunner._sample
-
-        def spy(runner, state):
-            row = 0
-            for i, req_id in enumerate(state.sampling_req_ids):
-                s = runner.sampling_states[req_id]
-                drafts = state.draft_token_ids[i] if state.draft_token_ids is not None else []
-                for j in range(len(drafts) + 1):
-                    key = (tuple(s.prompt_token_ids), tuple(s.output_token_ids) + tuple(drafts[:j]))
-                    self.rows[key] = (j, state.logits[row + j].detach().clone())
-                row += len(drafts) + 1
-            return original(runner, state)
-
-        monkeypatch.setattr(ModelRunner, "_sample", spy)
-
-    def take(self) -> dict[tuple, tuple[int, torch.Tensor]]:
-        rows, self.rows = self.rows, {}
-        return rows
-
-
-def assert_rows_equal_single_rows(spec: dict, plain: dict) -> int:
-    """Every row drafting computed after the very tokens plain decoding produced (after right drafts
-    only: the same key) equals plain's row bit for bit. Returns how many of them came after a draft."""
-    num_after_drafts = 0
-    for key, (num_drafts_before, row) in spec.items():
-        if key in plain:
-            expected = plain[key][1]
-            assert row.dtype == torch.float32, "logits reach the sampler in float32"
-            assert torch.equal(row, expected), f"{len(key[1])} tokens in: differs by {float((row - expected).abs().max())}"
-            num_after_drafts += num_drafts_before > 0
-    return num_after_drafts
 
 
 def run(config, prompts, params=GREEDY):
