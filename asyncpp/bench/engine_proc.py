@@ -54,12 +54,17 @@ def launched_engine(
     log_level: str = "warning",
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    tree: Path | None = None,
 ) -> Iterator[EngineProcess]:
-    """`extra_args`: more launcher flags (`--log-file F`); `env`: variables added to this process's."""
-    cmd = [sys.executable, "-m", "asyncpp.launch", "--config", str(config_path), "--log-level", log_level, *extra_args]
+    """`extra_args`: more launcher flags (`--log-file F`); `env`: variables added to this process's;
+    `tree`: a checkout of asyncpp to run instead of this one (first on the path, and the working
+    directory, which `python -m` puts before it)."""
+    cmd = [sys.executable, "-m", "asyncpp.launch", "--config", str(Path(config_path).resolve()), "--log-level", log_level, *extra_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    if tree is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, cwd=tree
     )
     engine = EngineProcess(proc, address="")
     ready = threading.Event()

@@ -22,6 +22,7 @@ ALIASES = {
     "graphs": "model.cuda_graphs",
     "async_output": "scheduler.async_output",
     "backend": "bench.backend",  # not a config key: how the bench talks to this run (native | openai)
+    "tree": "bench.tree",  # not a config key: the checkout of asyncpp this run's engine imports (another revision)
 }
 
 
@@ -36,6 +37,18 @@ class RunSpec:
         if value not in ("native", "openai"):
             raise ValueError(f"run {self.label!r}: backend must be native or openai, got {value!r}")
         return value
+
+    def tree(self) -> Path | None:
+        """`tree=PATH`: the run's engine imports asyncpp from that checkout (a worktree of another
+        revision: `git worktree add /tmp/before HEAD~3`), so revisions are compared in one interleaved
+        run; None: this one's."""
+        value = dict(self.overrides).get("bench.tree")
+        if value is None:
+            return None
+        tree = Path(str(value)).resolve()
+        if not (tree / "asyncpp" / "launch.py").is_file():
+            raise ValueError(f"run {self.label!r}: tree {str(tree)!r} holds no asyncpp checkout")
+        return tree
 
 
 def parse_runs(text: str | None) -> list[RunSpec]:

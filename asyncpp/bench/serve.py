@@ -14,6 +14,10 @@
     python -m asyncpp.bench --workload repetitive --random-input-len 200 --random-output-len 128 \\
         --runs 'speculative.method="none";speculative.method="ngram"'
 
+    # Two revisions, interleaved: the runs' engines import asyncpp from different checkouts
+    git worktree add /tmp/asyncpp-before HEAD~5
+    python -m asyncpp.bench --runs "tree=/tmp/asyncpp-before;tree=." --repeat 3
+
 Each run launches the engine (`python -m asyncpp.launch`) with the config's
 overrides, warms it up, sends the same requests through `AsyncClient` and
 shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
@@ -169,7 +173,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
     config = validate(sections)
     config_path.write_text(to_toml(sections))
     bars: list[Progress] = []  # started when the measured requests start, not at engine launch
-    engine_ctx = launched_engine(config_path, ready_timeout_s=args.ready_timeout)
+    engine_ctx = launched_engine(config_path, ready_timeout_s=args.ready_timeout, tree=run.tree())
     with engine_ctx as engine, profiled(f"client-{_slug(run.label)}"):
         try:
             # uvloop, like the engine: the client's own loop overhead is CPU taken from the stages.
@@ -199,6 +203,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
     return {
         "label": run.label,
         "backend": backend,
+        "tree": str(run.tree() or ""),
         "overrides": {k: v for k, v in run.overrides},
         "config": sections,
         "pp_size": config.parallel.pp_size,
