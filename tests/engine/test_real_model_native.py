@@ -19,6 +19,7 @@ from asyncpp.engine.engine import Engine
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.sampling.params import SamplingParams
+from tests.row_logits import RowRecorder
 
 pytestmark = [
     pytest.mark.slow,
@@ -90,25 +91,34 @@ def test_isa_levels_give_the_same_tokens():
             assert a.token_ids == b.token_ids, (level, chat, a.text, b.text)
 
 
-def _agreeing_prefix(tokens: list[int], expected: list[int]) -> int:
-    """How many tokens equal `expected` before the first difference (or the shorter one's end)."""
-    return next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), min(len(tokens), len(expected)))
-
-
-def test_native_bfloat16_tracks_float32_longer_than_bfloat16_weights(reference):
+def test_native_bfloat16_logits_are_closer_to_float32_than_bfloat16_weights(reference, monkeypatch):
     """With AVX512-BF16, native weights compute in bfloat16 on the file's exact weights: the same
-    tokens at pp = 1 and 2, and on every chat at least as many tokens equal to transformers float32
-    as the float path's bfloat16-rounded weights give (here 8/17/32/8/32 against 8/1/25/8/32)."""
+    tokens at pp = 1 and 2, and, teacher-forced along transformers float32's greedy answers (every
+    other position of every chat), float32 logits closer to the float32 model's than the float path's
+    bfloat16-rounded weights give (mean |logit difference| 0.114 against 0.133 here). Free-running
+    token agreement is no measure of it: a near-tie (0.02 nats) flips either way, and which way moved
+    when the logits became float32."""
     from asyncpp.kernels.linear_bf16 import bf16_native_kernel
 
     if bf16_native_kernel() is None:
         pytest.skip("bfloat16 native weights need AVX512-BF16")
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    results = {}
-    for weight_format, pp_size in (("native", 1), ("native", 2), ("float", 2)):
-        engine = Engine(native_config(pp_size=pp_size, weight_format=weight_format, dtype="bfloat16"))
-        results[weight_format, pp_size] = [r.token_ids for r in engine.generate(CHATS, sampling)]
-    assert results["native", 1] == results["native", 2]
-    native = [_agreeing_prefix(t, e) for t, e in zip(results["native", 2], reference, strict=True)]
-    rounded = [_agreeing_prefix(t, e) for t, e in zip(results["float", 2], reference, strict=True)]
-    assert all(n >= r for n, r in zip(native, rounded, strict=True)) and sum(native) > sum(rounded), (native, rounded)
+    tokens = {pp: [r.token_ids for r in Engine(native_config(pp, "auto", "native", "bfloat16")).generate(CHATS, sampling)] for pp in (1, 2)}
+    assert tokens[1] == tokens[2]
+    recorder = RowRecorder(monkeypatch)
+    reference_engine = Engine(native_config())
+    prompts = [
+        reference_engine.input_processor.process(chat, sampling) + answer[:k]
+        for chat, answer in zip(CHATS, reference, strict=True)
+        for k in range(0, len(answer), 2)
+    ]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    reference_engine.generate(prompts, one)
+    float32 = recorder.take()
+    errors = {}
+    for weight_format in ("native", "float"):
+        Engine(native_config(1, "auto", weight_format, "bfloat16")).generate(prompts, one)
+        rows = recorder.take()
+        assert rows.keys() == float32.keys()
+        errors[weight_format] = sum(float((rows[k][1] - float32[k][1]).abs().mean()) for k in rows) / len(rows)
+    assert errors["native"] < errors["float"], errors
