@@ -60,9 +60,10 @@ class NativeLinear(nn.Module, StackableLinear):
     def packed_tensors(self) -> list[torch.Tensor]:
         return [packed for _, packed, _ in self.runs]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: `[rows, out_features]` of `out_dtype` to write into (reused logits rows); else a new tensor."""
         x2 = x.reshape(-1, self.in_features)
-        y = x2.new_empty(x2.shape[0], self.out_features, dtype=self.out_dtype)
+        y = x2.new_empty(x2.shape[0], self.out_features, dtype=self.out_dtype) if out is None else out
         col = 0
         for fmt, packed, n in self.runs:
             self.kernel.linear(fmt, x2, packed, n, out=y[:, col : col + n])

@@ -82,8 +82,10 @@ class KernelLinear(nn.Module):
     def packed_tensors(self) -> list[torch.Tensor]:
         return [self.packed_weight]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear(x.reshape(-1, self.in_features), self.packed_weight, self.out_features, out_dtype=self.out_dtype)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: `[rows, out_features]` of `out_dtype` to write into (reused logits rows); else a new tensor."""
+        x2 = x.reshape(-1, self.in_features)
+        y = self.kernel.linear(x2, self.packed_weight, self.out_features, out=out, out_dtype=self.out_dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -13,7 +13,7 @@ from tests.runtime.harness import tiny_sections
 def test_logits_cost_compares_the_two_heads(tmp_path, tiny_hf_dir, capsys):
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(tiny_sections(tiny_hf_dir, model={"dtype": "bfloat16"})))
-    code = main(["--config", str(config), "--batch-sizes", "1,3", "--num-steps", "2", "--repeat", "2"])
+    code = main(["--config", str(config), "--batch-sizes", "1,3", "--num-steps", "8"])
     out = capsys.readouterr().out
     if bf16_native_kernel() is None:  # the qlinear head writes float32 only
         assert code == 1 and "cannot write both dtypes" in out
@@ -27,5 +27,5 @@ def test_logits_cost_compares_the_two_heads(tmp_path, tiny_hf_dir, capsys):
 def test_a_float32_model_has_nothing_to_compare(tmp_path, tiny_hf_dir, capsys):
     config = tmp_path / "tiny.toml"
     config.write_text(to_toml(tiny_sections(tiny_hf_dir)))
-    assert main(["--config", str(config), "--batch-sizes", "1", "--num-steps", "1", "--repeat", "1"]) == 1
+    assert main(["--config", str(config), "--batch-sizes", "1", "--num-steps", "4"]) == 1
     assert "nothing to compare" in capsys.readouterr().out

@@ -17,7 +17,7 @@ from asyncpp.kernels.argmax import argmax_rows
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.kernels.linear_bf16 import bf16_native_kernel
 from asyncpp.kernels.qlinear import qlinear_kernel
-from asyncpp.model.logits_head import CudaHead, Float32Head, QLinearHead, float32_logits_head
+from asyncpp.model.logits_head import CudaHead, Float32Head, QLinearHead, ReusedRows, float32_logits_head
 from asyncpp.model.native_linear import NativeLinear, NativeWeights
 from asyncpp.model.packed_linear import KernelLinear
 from asyncpp.weights import load_weights, read_arch, save_hf_directory
@@ -77,16 +77,21 @@ def test_a_bfloat16_model_s_head_keeps_the_float32_argmax(near_tie_dir, linear_k
         "hf", str(directory), arch, arch.num_layers - 1, arch.num_layers, BF16, "cpu", linear_kernel,
         weight_format=weight_format,
     )  # fmt: skip
-    assert type(model.lm_head) is head_type
-    _assert_float32_argmax(model.compute_logits(_inputs(arch.hidden_size, 0, 1)))
+    assert type(model.lm_head) is ReusedRows and type(model.lm_head.head) is head_type
+    first = model.compute_logits(_inputs(arch.hidden_size, 0, 1))
+    _assert_float32_argmax(first)
+    # The rows are reused from step to step: fewer rows are a view of them, more get new ones.
+    assert model.compute_logits(_inputs(arch.hidden_size, 0, 1)[:2]).data_ptr() == first.data_ptr()
+    more = torch.cat([_inputs(arch.hidden_size, 0, 1)] * 3)
+    _assert_float32_argmax(model.compute_logits(more))
 
 
-def test_a_float32_model_s_head_is_left_as_it_is(near_tie_dir):
+def test_a_float32_model_s_logits_stay_what_its_head_computes(near_tie_dir):
     directory, arch = near_tie_dir
     model = build_model_slice("hf", str(directory), arch, 3, 4, torch.float32, "cpu", "auto", weight_format="float")
-    head = model.lm_head
-    assert float32_logits_head(head) is head
     _assert_float32_argmax(model.compute_logits(_inputs(arch.hidden_size, 0, 1).float()))
+    plain = torch.nn.Linear(64, 320, bias=False)
+    assert float32_logits_head(plain) is plain  # torch's float32 linear: nothing to change
 
 
 def _q8_0_rows(vocab_size: int) -> torch.Tensor:
@@ -115,6 +120,7 @@ def test_a_gguf_q8_0_head_keeps_the_float32_argmax():
 def test_without_kernels_a_float32_copy_of_the_weight():
     head = Float32Head(_near_tie_weight(320, 64).to(BF16))
     _assert_float32_argmax(head(_inputs(64, 0, 1)))
+    _assert_float32_argmax(ReusedRows(head, 320)(_inputs(64, 0, 1)))
 
 
 @pytest.mark.cuda
