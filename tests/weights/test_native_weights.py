@@ -65,17 +65,18 @@ def test_native_model_equals_float32_on_dequantized_weights(tmp_path, qtype, tie
     arch = read_arch("gguf", str(path))
     native = build_model_slice("gguf", str(path), arch, 0, 2, torch.float32, "cpu", weight_format="native")
     floats = build_model_slice("gguf", str(path), arch, 0, 2, torch.float32, "cpu", weight_format="float")
-    assert isinstance(native.lm_head, NativeLinear) and isinstance(native.embed_tokens, NativeEmbedding)
-    assert native.lm_head.runs[0][0] == qtype.name.lower()
+    head = native.lm_head.head  # inside the float32-logits rows it reuses (`asyncpp.model.logits_head`)
+    assert isinstance(head, NativeLinear) and isinstance(native.embed_tokens, NativeEmbedding)
+    assert head.runs[0][0] == qtype.name.lower()
     if tied:  # one packed copy serves the embedding lookup and the head
-        assert native.embed_tokens.packed is native.lm_head.runs[0][1]
-        assert floats.embed_tokens.packed is floats.lm_head.runs[0][1]
+        assert native.embed_tokens.packed is head.runs[0][1]
+        assert floats.embed_tokens.packed is floats.lm_head.head.runs[0][1]
     assert native.weight_nbytes() < floats.weight_nbytes() or qtype == Q.F32
     ids = torch.tensor([3, 7, 11, 0, 39, 5, 5, 12])
     emb_native, emb_float = native.embed_tokens(ids), floats.embed_tokens(ids)
     assert torch.equal(emb_native, emb_float)
     x = torch.randn(5, arch.hidden_size)
-    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head"):
+    for name in ("layers.0.self_attn.qkv_proj", "layers.1.mlp.down_proj", "lm_head.head"):
         a, b = native.get_submodule(name), floats.get_submodule(name)
         xin = x if a.in_features == arch.hidden_size else torch.randn(5, a.in_features)
         torch.testing.assert_close(a(xin), b(xin), rtol=1e-4, atol=1e-4)  # outputs ~1: float32 rounding
@@ -138,7 +139,8 @@ def test_bfloat16_native_linears(tmp_path, qtype):
     native = build_model_slice("gguf", str(path), arch, 0, 2, torch.bfloat16, "cpu", weight_format="native")
     floats = build_model_slice("gguf", str(path), arch, 0, 2, torch.bfloat16, "cpu", weight_format="float")
     exact = build_model_slice("gguf", str(path), arch, 0, 2, torch.float32, "cpu", weight_format="native")
-    assert isinstance(native.lm_head, NativeLinear) and native.embed_tokens.packed is native.lm_head.runs[0][1]
+    head = native.lm_head.head
+    assert isinstance(head, NativeLinear) and native.embed_tokens.packed is head.runs[0][1]
     assert native.weight_nbytes() < floats.weight_nbytes()
     ids = torch.tensor([3, 7, 11, 0, 39, 5])
     assert torch.equal(native.embed_tokens(ids), floats.embed_tokens(ids))
