@@ -23,8 +23,7 @@ import time
 import torch
 
 from asyncpp.bench.prompts import synthetic_prompts
-from asyncpp.bench.step_cost import DEFAULT_CONFIG
-from asyncpp.config import load_config
+from asyncpp.bench.step_cost import DEFAULT_CONFIG, decode_engine
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
 
@@ -61,13 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=200, help="timed decode steps per batch size (half each)")
     args = ap.parse_args(argv)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
-    base = load_config(args.config)
-    config = base.replace(
-        parallel={"pp_size": 1, "layer_split": (), "num_threads": 1},
-        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(4 * max(sizes), 512)},
-        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024, 4 * max(sizes))},
-    )
-    engine = Engine(config)
+    engine = decode_engine(args.config, sizes)
     head = getattr(engine.executor.runners[-1].model.lm_head, "head", None)  # inside `ReusedRows`
     if engine.compute_plan.dtype != "bfloat16" or getattr(head, "out_dtype", None) != torch.float32:
         print(f"a {engine.compute_plan.dtype} model's head cannot write both dtypes: nothing to compare")

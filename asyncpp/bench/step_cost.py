@@ -71,6 +71,18 @@ def measure(engine: Engine, batch_size: int, num_steps: int, seed: int = 0) -> S
     return StepCost(batch_size, times[len(times) // 2] * 1e3)
 
 
+def decode_engine(config_path: str, sizes: list[int]) -> Engine:
+    """The in-process engine the decode-step benchmarks time: the config at pp=1 and one thread, with
+    room to prefill the largest batch in a few steps and to hold its KV (4 MiB per request)."""
+    base = load_config(config_path)
+    config = base.replace(
+        parallel={"pp_size": 1, "layer_split": (), "num_threads": 1},
+        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(4 * max(sizes), 512)},
+        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024, 4 * max(sizes))},
+    )
+    return Engine(config)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncpp.bench.step_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=DEFAULT_CONFIG)
@@ -79,14 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     sizes = sorted({int(b) for b in args.batch_sizes.split(",")})
-    base = load_config(args.config)
-    config = base.replace(
-        parallel={"pp_size": 1, "layer_split": (), "num_threads": 1},
-        # Room to prefill the largest batch in a few steps and to hold its KV (4 MiB per request).
-        scheduler={"max_num_seqs": max(sizes), "max_num_batched_tokens": max(4 * max(sizes), 512)},
-        cache={"kv_cache_memory_mb": max(base.cache.kv_cache_memory_mb, 1024, 4 * max(sizes))},
-    )
-    engine = Engine(config)
+    engine = decode_engine(args.config, sizes)
     measure(engine, min(sizes), 3)  # warm-up
     costs = {b: measure(engine, b, args.num_steps) for b in sizes}
     print(f"{'batch':>6} {'step ms':>9} {'ms/token':>9} {'pp=2 ceiling at concurrency':>28}")

@@ -55,3 +55,17 @@ def test_empty_plans_and_empty_in_flight_change_nothing():
 def test_plan_block_ids_are_every_request_s_whole_table():
     plan = StepPlan(0, [ScheduledRequest("a", [1], 5, [1, 2], True), ScheduledRequest("b", [1], 5, [2, 7], True)])
     assert plan_block_ids(plan) == {1, 2, 7}
+
+
+def test_every_in_flight_step_is_looked_at_not_only_the_first():
+    """A step that does not constrain (its bounds are higher, or it shares no block) is passed over,
+    and the ones after it still count."""
+    higher, disjoint, racing = _plan(0, [3], (21,)), _plan(1, [8], (14,)), _plan(2, [3], (17,))
+    assert ordered_bounds((20,), _plan(3, [3]), [higher, disjoint, racing], STATIC) == (17,)
+
+
+def test_bounds_of_another_length_are_refused():
+    import pytest
+
+    with pytest.raises(ValueError):
+        ordered_bounds((20, 25), _plan(1, [3]), [_plan(0, [3], (17,))], STATIC)

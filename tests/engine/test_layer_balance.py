@@ -97,4 +97,9 @@ def test_bounds_are_lowered_for_an_in_flight_step_sharing_blocks_and_counted_as_
     racing = StepPlan(0, [ScheduledRequest("p", [1] * 32, 0, [0], False)], layer_bounds=(14,))  # shares block 0
     assert balancer.bounds(plan, [racing]) == (14,)
     assert balancer.bounds(plan) == wanted
-    assert balancer.stats()["bounds_counts"] == {"14": 1, str(wanted[0]): 1}
+    assert balancer.bounds(plan) == wanted
+    assert balancer.stats()["bounds_counts"] == {"14": 1, str(wanted[0]): 2}
+    # An in-flight step that named no bounds ran the static split (18 here).
+    unnamed = StepPlan(0, [ScheduledRequest("p", [1] * 32, 0, [0], False)])
+    lone = _plan(2, num_decode=1)  # one row of head: the first stage wants more than its 18 layers
+    assert balancer.wanted_bounds(lone)[0] > 18 and balancer.bounds(lone, [unnamed]) == (18,)

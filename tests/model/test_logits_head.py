@@ -80,7 +80,8 @@ def test_a_bfloat16_model_s_head_keeps_the_float32_argmax(near_tie_dir, linear_k
     assert type(model.lm_head) is ReusedRows and type(model.lm_head.head) is head_type
     first = model.compute_logits(_inputs(arch.hidden_size, 0, 1))
     _assert_float32_argmax(first)
-    # The rows are reused from step to step: fewer rows are a view of them, more get new ones.
+    # The rows are reused from step to step: as many or fewer rows are a view of them, more get new ones.
+    assert model.compute_logits(_inputs(arch.hidden_size, 0, 1)).data_ptr() == first.data_ptr()
     assert model.compute_logits(_inputs(arch.hidden_size, 0, 1)[:2]).data_ptr() == first.data_ptr()
     more = torch.cat([_inputs(arch.hidden_size, 0, 1)] * 3)
     _assert_float32_argmax(model.compute_logits(more))
@@ -132,3 +133,20 @@ def test_cuda_head_writes_float32_sums():
 def test_a_head_with_a_bias_has_no_float32_form():
     with pytest.raises(TypeError, match="no float32-logits form"):
         float32_logits_head(torch.nn.Linear(4, 4).to(BF16))
+
+
+def test_reused_rows_follow_the_head_s_output_dtype():
+    """A benchmark switches the head to bfloat16 output (`asyncpp.bench.logits_cost`): the rows it
+    writes are then bfloat16 ones, kept apart from the float32 ones."""
+    weight = _near_tie_weight(320, 64).to(BF16)
+    head = QLinearHead(weight, qlinear_kernel()) if qlinear_kernel() is not None else None
+    if head is None:
+        pytest.skip("no C compiler")
+    rows = ReusedRows(head, 320)
+    x = _inputs(64, 0, 1)
+    float32 = rows(x)
+    head.out_dtype = torch.bfloat16  # QLinearHead writes float32 only: the out tensor decides nothing
+    with pytest.raises(ValueError, match="float32"):
+        rows(x)
+    head.out_dtype = torch.float32
+    assert rows(x).data_ptr() == float32.data_ptr()
