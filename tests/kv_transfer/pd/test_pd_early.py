@@ -194,10 +194,15 @@ def test_a_producer_preemption_voids_what_was_read(tiny_hf_dir, prompts, expecte
         pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "v")
         consumer.step()  # admitted: awaiting
         producer.step()  # the first chunk (2 blocks)
-        consumer.step()  # read
+        # Read: each consumer stage, once its producer stage's ready notice is in (NIXL delivers
+        # notices asynchronously: on a busy machine one may need a few more polls).
+        pulls = [runner.kv_connector.connector._pulls[cid] for runner in consumer.executor.runners]
+        deadline = time.monotonic() + 60
+        while min(n for pull in pulls for n in pull.next_block.values()) < 2 and time.monotonic() < deadline:
+            consumer.step()
         block_ids = consumer.block_manager.block_ids(cid)[:2]
-        for runner in consumer.executor.runners:
-            assert min(runner.kv_connector.connector._pulls[cid].next_block.values()) == 2
+        for runner, pull in zip(consumer.executor.runners, pulls, strict=True):
+            assert min(pull.next_block.values()) == 2
             for k, v in runner.kv_caches:
                 for b in block_ids:
                     k[b * 16 : (b + 1) * 16].zero_()
