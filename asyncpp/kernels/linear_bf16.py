@@ -75,10 +75,8 @@ class Bf16Linear:
         """`x` `[rows, in]` bfloat16 -> `[rows, out_features]`: the inputs times the exact dequantized
         weight, float32 sums, rounded once to bfloat16 or kept in float32 (`out_dtype`, or `out`'s
         dtype: written into `out`, a column slice maybe, when given)."""
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x, out = _operands(x, out, out_features, out_dtype)
         rows, in_features = x.shape
-        out = _output(out, rows, out_features, out_dtype)
         entry = self._lib.linear_bf16_q if out.dtype == torch.bfloat16 else self._lib.linear_bf16_q_f32out
         status = entry(
             BLOCK_FORMAT_CODES[fmt], x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
@@ -107,10 +105,8 @@ class Bf16Linear:
     ) -> torch.Tensor:
         """`x` `[rows, in]` bfloat16 -> `[rows, out_features]` in `out_dtype` (or `out`'s: bfloat16, or
         float32 for the sums unrounded)."""
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        x, out = _operands(x, out, out_features, out_dtype)
         rows, in_features = x.shape
-        out = _output(out, rows, out_features, out_dtype)
         entry = self._lib.linear_bf16 if out.dtype == torch.bfloat16 else self._lib.linear_bf16_f32out
         entry(
             x.data_ptr(), x.stride(0), rows, packed.data_ptr(), out_features, in_features,
@@ -119,13 +115,19 @@ class Bf16Linear:
         return out
 
 
-def _output(out: torch.Tensor | None, rows: int, out_features: int, dtype: torch.dtype) -> torch.Tensor:
-    """`out`, checked, or a new `[rows, out_features]` tensor of `dtype`."""
+def _operands(
+    x: torch.Tensor, out: torch.Tensor | None, out_features: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` `[rows, in]` with contiguous rows, and `out` checked (or a new `[rows, out_features]` tensor
+    of `dtype`): what both linears hand their kernel."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
     if out is None:
         out = torch.empty(rows, out_features, dtype=dtype)
     if out.dtype not in OUT_DTYPES or out.shape != (rows, out_features) or out.stride(1) != 1:
         raise ValueError(f"out must be [{rows}, {out_features}] bfloat16 or float32 with contiguous rows")
-    return out
+    return x, out
 
 
 _FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}

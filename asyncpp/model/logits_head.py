@@ -69,21 +69,21 @@ class Float32Head(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
             return F.linear(x.float(), self.weight)
-        return torch.mm(x.reshape(-1, self.weight.shape[1]).float(), self.weight.t(), out=out)
+        return torch.mm(x.reshape(-1, self.in_features).float(), self.weight.t(), out=out)
 
 
 class ReusedRows(nn.Module):
-    """A CPU head (`forward(x, out=)`) writing float32 logits into rows kept from step to step; a
-    step with more rows than ever before allocates them once more."""
+    """A CPU head (`forward(x, out=)`, `out_features`) writing float32 logits into rows kept from step
+    to step; a step with more rows than ever before allocates them once more."""
 
-    def __init__(self, head: nn.Module, out_features: int) -> None:
+    def __init__(self, head: nn.Module) -> None:
         super().__init__()
         self.head = head
-        self.out_features = out_features
         self._rows: dict[torch.dtype, torch.Tensor] = {}  # by the head's output dtype (a benchmark switches it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +91,7 @@ class ReusedRows(nn.Module):
         dtype = getattr(self.head, "out_dtype", torch.float32)
         rows = self._rows.get(dtype)
         if rows is None or num_rows > rows.shape[0]:
-            rows = self._rows[dtype] = torch.empty(num_rows, self.out_features, dtype=dtype)
+            rows = self._rows[dtype] = torch.empty(num_rows, self.head.out_features, dtype=dtype)
         return self.head(x, out=rows[:num_rows])
 
 
@@ -117,7 +117,7 @@ def float32_logits_head(head: nn.Module, bf16_kernel: Bf16Linear | None = None, 
     `bf16_kernel`: the float-weight bfloat16 kernel where the model uses it; `isa`: qlinear's level."""
     if isinstance(head, (NativeLinear, KernelLinear)):
         head.out_dtype = torch.float32
-        return ReusedRows(head, head.out_features)
+        return ReusedRows(head)
     if type(head) is not nn.Linear or head.bias is not None:
         raise TypeError(f"no float32-logits form of {type(head).__name__}")
     weight = head.weight
@@ -126,7 +126,7 @@ def float32_logits_head(head: nn.Module, bf16_kernel: Bf16Linear | None = None, 
     if weight.device.type == "cuda":
         return CudaHead(weight)
     if bf16_kernel is not None and weight.dtype == torch.bfloat16:
-        return ReusedRows(KernelLinear(weight, bf16_kernel, out_dtype=torch.float32), head.out_features)
+        return ReusedRows(KernelLinear(weight, bf16_kernel, out_dtype=torch.float32))
     kernel = qlinear_kernel(isa) if weight.dtype in _QLINEAR_FORMATS else None
     float32_head = QLinearHead(weight, kernel) if kernel is not None else Float32Head(weight)
-    return ReusedRows(float32_head, head.out_features)
+    return ReusedRows(float32_head)

@@ -121,7 +121,7 @@ def test_a_gguf_q8_0_head_keeps_the_float32_argmax():
 def test_without_kernels_a_float32_copy_of_the_weight():
     head = Float32Head(_near_tie_weight(320, 64).to(BF16))
     _assert_float32_argmax(head(_inputs(64, 0, 1)))
-    _assert_float32_argmax(ReusedRows(head, 320)(_inputs(64, 0, 1)))
+    _assert_float32_argmax(ReusedRows(head)(_inputs(64, 0, 1)))
 
 
 @pytest.mark.cuda
@@ -142,7 +142,7 @@ def test_reused_rows_follow_the_head_s_output_dtype():
     head = QLinearHead(weight, qlinear_kernel()) if qlinear_kernel() is not None else None
     if head is None:
         pytest.skip("no C compiler")
-    rows = ReusedRows(head, 320)
+    rows = ReusedRows(head)
     x = _inputs(64, 0, 1)
     float32 = rows(x)
     head.out_dtype = torch.bfloat16  # QLinearHead writes float32 only: the out tensor decides nothing
