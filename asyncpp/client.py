@@ -9,6 +9,10 @@ task routes replies by request id. Breaking out of the loop, or cancelling the
 task, aborts the request in the engine, and so does `end_all`. A request whose
 frame would be over `max_frame_bytes` (the engine's `server.max_frame_bytes`)
 is refused here, naming its largest field, instead of being sent.
+
+An engine whose port has `server.client_secret` serves only clients that
+present it (`secret`); the KV handshake calls need the engine role
+(`role="engine"` with the deployment's engine secret: `wire.client_auth`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from asyncpp.wire.client_msgs import (
     StatsReply,
     StatsRequest,
 )
+from asyncpp.wire.client_auth import CLIENT
 from asyncpp.wire.codec import packed_size
 from asyncpp.wire.queues import DealerQueue, FrameTooLargeError
 
@@ -54,20 +59,41 @@ class RequestFailedError(RuntimeError):
         self.kind, self.message = kind, message
 
 
+class ClientRefusedError(PermissionError):
+    """The engine's port refused this client's credentials (`secret`, `role`): nothing it sends is read."""
+
+
 class AsyncClient:
-    def __init__(self, address: str, max_frame_bytes: int | None = None) -> None:
+    def __init__(self, address: str, max_frame_bytes: int | None = None, *, secret: str = "", role: str = CLIENT) -> None:
         self.address = address
-        self._queue = DealerQueue(address, max_frame_bytes)
+        self._queue = DealerQueue(address, max_frame_bytes, role, secret)
         self._streams: dict[str, _Stream] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self._reader: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self.refused: str | None = None  # why the engine refused our credentials, once it has
         # Errors about frames that named no request (the latest few).
         self.unrouted_errors: collections.deque[ErrorReply] = collections.deque(maxlen=64)
 
     def _ensure_reader(self) -> None:
+        if self.refused is not None:
+            raise ClientRefusedError(self.refused)
+        loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():
-            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+            self._reader = loop.create_task(self._read_loop())
+        if self._watcher is None or self._watcher.done():
+            self._watcher = loop.create_task(self._watch_refusal())
+
+    async def _watch_refusal(self) -> None:
+        """Credentials the engine refuses: end every call at once instead of letting it wait forever."""
+        reason = await self._queue.refused()
+        self.refused = f"the engine at {self.address} refused this client's credentials ({reason})"
+        for stream in self._streams.values():
+            stream.put(_Ended("forbidden", self.refused))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_exception(ClientRefusedError(self.refused))
 
     async def _read_loop(self) -> None:
         while True:
@@ -122,6 +148,8 @@ class AsyncClient:
             while True:
                 msg = await stream.get()
                 if isinstance(msg, _Ended):  # `end_all`: finished stays False, so the engine hears of it
+                    if msg.kind == "forbidden":
+                        raise ClientRefusedError(msg.message)
                     raise RequestFailedError(msg.kind, msg.message)
                 if isinstance(msg, ErrorReply):
                     finished = True
@@ -161,8 +189,11 @@ class AsyncClient:
         return reply.stats
 
     async def kv_handshake(self, timeout_s: float = 5.0) -> EngineHandshake | None:
-        """The engine's KV transfer endpoints (None: its connector publishes none)."""
+        """The engine's KV transfer endpoints (None: its connector publishes none); `RuntimeError`
+        if the engine refuses (this client does not hold the engine role)."""
         reply = await self._call(KVHandshakeRequest, timeout_s)
+        if reply.error is not None:
+            raise RuntimeError(f"engine refused the KV handshake: {reply.error}")
         return reply.handshake
 
     async def add_remote_engine(self, handshake: EngineHandshake, timeout_s: float = 5.0) -> None:
@@ -183,8 +214,9 @@ class AsyncClient:
             self._replies.pop(nonce, None)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
         self._queue.close()
 
 

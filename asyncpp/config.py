@@ -206,6 +206,11 @@ class ServerConfig:
     max_queued_requests: int = 1024
     # The largest client frame the engine reads; clients refuse to send a larger one.
     max_frame_bytes: int = 8 * 1024 * 1024
+    # The client port (`asyncpp.wire.client_auth`): clients present client_secret ("" = any local
+    # client; off loopback it is required); peer engines and the prefill/decode router present
+    # engine_secret to exchange KV handshakes ("" = one made up per run, for this launch's own).
+    client_secret: str = field(default="", repr=False)
+    engine_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
@@ -213,6 +218,11 @@ class ServerConfig:
         if self.max_queued_requests < 0:
             raise ConfigError(f"server.max_queued_requests must be >= 0, got {self.max_queued_requests}")
         _positive("server.max_frame_bytes", self.max_frame_bytes)
+        if not self.client_secret and not is_loopback(self.host):
+            raise ConfigError(
+                f"server.host {self.host!r} is not loopback: set server.client_secret so that only clients "
+                "that present it are served"
+            )
         if self.http_port and not self.api_key and not is_loopback(self.http_host):
             raise ConfigError(
                 f"server.http_host {self.http_host!r} is not loopback: set server.api_key (or --api-key) "

@@ -22,7 +22,6 @@ import time
 import torch
 import uvloop
 
-from asyncpp.client import AsyncClient
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices, is_cuda
 from asyncpp.disagg.config import is_disagg_config
@@ -30,6 +29,7 @@ from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.startup import EngineCapacity, kv_connector_context, resolve_capacity, set_stage_handshakes
 from asyncpp.engine.layer_balance import LayerBalancer
+from asyncpp.front_ends import client_access, http_url, one_shot, start_http, stop_http
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
@@ -40,7 +40,6 @@ from asyncpp.runtime.cpu_affinity import stage_cpu_lists, usable_cpu_ids
 from asyncpp.runtime.engine_server import EngineServer
 from asyncpp.runtime.gc_heap import freeze_startup_heap
 from asyncpp.runtime.stage_process import StageArgs
-from asyncpp.sampling.params import SamplingParams
 from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.transport import transport_for
@@ -172,7 +171,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             set_stage_handshakes(kv_connector, handshakes)
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
         port = config.server.port if ns.port is None else ns.port
-        router = RouterQueue(f"tcp://{config.server.host}:{port}", config.server.max_frame_bytes)
+        router = RouterQueue(f"tcp://{config.server.host}:{port}", config.server.max_frame_bytes, client_access(config))
         server = EngineServer(
             core,
             stages,
@@ -209,7 +208,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         with profiled("engine"):
             serving = asyncio.create_task(server.serve())
             if ns.prompt is not None:
-                ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
+                ok = await one_shot(router.address, ns.prompt, ns.max_tokens, config.server.client_secret)
                 if not server.is_dead:
                     await server.drain_and_stop()
                 code = await serving
@@ -226,61 +225,6 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         if kv_connector is not None:
             kv_connector.close()  # after the stages: it removes what a killed stage left behind
         log.info("engine_stopped")
-
-
-HTTP_READY_TIMEOUT_S = 120.0
-
-
-def http_url(config: EngineConfig) -> str:
-    host = config.server.http_host
-    return f"http://{'[' + host + ']' if ':' in host else host}:{config.server.http_port}"
-
-
-async def start_http(config_path: str, config: EngineConfig, engine_address: str, ns) -> asyncio.subprocess.Process:
-    """Start `python -m asyncpp.http` and wait until its port accepts connections."""
-    s = config.server
-    args = [sys.executable, "-m", "asyncpp.http", "--config", config_path, "--engine", engine_address,
-            "--host", s.http_host, "--port", str(s.http_port), "--log-level", "warning"]  # fmt: skip
-    if s.api_key:
-        args += ["--api-key", s.api_key]
-    proc = await asyncio.create_subprocess_exec(*args)
-    deadline = time.monotonic() + HTTP_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.returncode is not None:
-            raise RuntimeError(f"the HTTP server exited with {proc.returncode} at start-up")
-        try:
-            _, writer = await asyncio.open_connection(s.http_host, s.http_port)
-            writer.close()
-            return proc
-        except OSError:
-            await asyncio.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the HTTP server did not listen on {http_url(config)} within {HTTP_READY_TIMEOUT_S:.0f} s")
-
-
-async def stop_http(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        try:
-            await asyncio.wait_for(proc.wait(), 5.0)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
-async def one_shot(address: str, prompt: str, max_tokens: int) -> bool:
-    client = AsyncClient(address)
-    try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-        async for out in client.generate([{"role": "user", "content": prompt}], params):
-            print(out.text, end="", flush=True)
-        print(flush=True)
-        return True
-    except Exception as e:  # noqa: BLE001 - reported, and the exit code says it failed
-        print(f"\nerror: {e}", file=sys.stderr, flush=True)
-        return False
-    finally:
-        client.close()
 
 
 def main(argv: list[str] | None = None) -> int:

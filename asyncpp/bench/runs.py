@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncpp.config import EngineConfig, config_from_dict
+from asyncpp.toml_write import to_toml  # noqa: F401  (re-exported: derived configs are written with it)
 
 ALIASES = {
     "pp": "parallel.pp_size",
@@ -94,29 +95,6 @@ def run_sections(base_toml: str | Path, run: RunSpec) -> dict[str, dict[str, Any
 
 def validate(sections: dict[str, dict[str, Any]]) -> EngineConfig:
     return config_from_dict(sections)
-
-
-def to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    lines = []
-    for name, body in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):  # an inline table (kv_transfer.options, kv_transfer.children's entries)
-        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    raise ValueError(f"cannot write {v!r} as TOML")
 
 
 def _split_top_level(text: str) -> list[str]:

@@ -1,6 +1,12 @@
 """`python -m asyncpp.disagg --prefill ADDRESS --decode ADDRESS`: the router alone, in front of
 two engines started some other way (`python -m asyncpp.launch` with `kv_transfer.kv_role` set).
 
+It talks to the engines in the engine role: both must be started with the
+same `server.engine_secret`, which the router reads from the environment
+variable ASYNCPP_ENGINE_SECRET (not the command line, which other users see);
+its own clients present ASYNCPP_CLIENT_SECRET if set (then it may bind off
+loopback).
+
 It waits for both engines and gives each the other's KV handshake, prints
 "asyncpp ready: clients connect to ADDRESS" and serves until Ctrl-C /
 SIGTERM. An engine that stops answering fails its requests and is refused
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 
@@ -22,7 +29,11 @@ from asyncpp.disagg.deploy import MAX_FRAME_BYTES
 from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router import PDRouter
 from asyncpp.logging import configure_logging
+from asyncpp.wire.client_auth import ClientAccess
 from asyncpp.wire.queues import RouterQueue
+
+ENGINE_SECRET_ENV = "ASYNCPP_ENGINE_SECRET"
+CLIENT_SECRET_ENV = "ASYNCPP_CLIENT_SECRET"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,8 +55,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def run(ns: argparse.Namespace) -> int:
     health = {"health_interval_s": ns.health_interval_s, "health_timeout_s": ns.health_timeout_s}
-    prefill, decode = EngineLink("prefill", ns.prefill, **health), EngineLink("decode", ns.decode, **health)
-    router = PDRouter(RouterQueue(f"tcp://{ns.host}:{ns.port}", MAX_FRAME_BYTES), prefill, decode, handover=ns.handover)
+    engine_secret, client_secret = os.environ.get(ENGINE_SECRET_ENV, ""), os.environ.get(CLIENT_SECRET_ENV, "")
+    if not engine_secret:
+        print(f"error: set {ENGINE_SECRET_ENV} to the engines' server.engine_secret", file=sys.stderr)
+        return 2
+    prefill = EngineLink("prefill", ns.prefill, engine_secret=engine_secret, **health)
+    decode = EngineLink("decode", ns.decode, engine_secret=engine_secret, **health)
+    try:
+        queue = RouterQueue(f"tcp://{ns.host}:{ns.port}", MAX_FRAME_BYTES, ClientAccess(client_secret))
+    except ValueError as e:
+        print(f"error: {e} (for this router: the environment variable {CLIENT_SECRET_ENV})", file=sys.stderr)
+        return 2
+    router = PDRouter(queue, prefill, decode, handover=ns.handover)
     try:
         try:
             await router.connect(ns.start_timeout_s)

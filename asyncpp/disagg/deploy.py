@@ -27,14 +27,16 @@ from pathlib import Path
 
 import uvloop
 
-from asyncpp.bench.runs import to_toml
 from asyncpp.config import EngineConfig, with_http_overrides
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.config import ROLES, DisaggConfig, load_disagg_config, split_cpus
 from asyncpp.disagg.link import EngineLink
+from asyncpp.front_ends import http_url, one_shot, start_http, stop_http
 from asyncpp.disagg.router import PDRouter
 from asyncpp.logging import get_logger
 from asyncpp.runtime.cpu_affinity import usable_cpu_ids
+from asyncpp.toml_write import to_toml
+from asyncpp.wire.client_auth import ClientAccess, new_secret
 from asyncpp.wire.queues import RouterQueue
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # as an engine's
@@ -56,13 +58,18 @@ def main(ns: argparse.Namespace) -> int:
         return 2 if e.exit_code == 2 else 1
 
 
-def engine_files(pd: DisaggConfig, workdir: Path) -> tuple[dict[str, Path], dict[str, tuple[int, ...] | None]]:
-    """Each engine's config file, and its CPUs (None: both share the launcher's)."""
+def engine_files(
+    pd: DisaggConfig, workdir: Path, engine_secret: str
+) -> tuple[dict[str, Path], dict[str, tuple[int, ...] | None]]:
+    """Each engine's config file (in `workdir`, the launcher's own: it holds the engine secret), and
+    its CPUs (None: both share the launcher's)."""
     cpu_ids = usable_cpu_ids()
     shares = split_cpus(cpu_ids, [pd.num_cpus_needed(role) for role in ROLES]) if pd.section.split_cpus else None
     paths, cpus = {}, {}
     for i, role in enumerate(ROLES):
         sections = pd.engines[role]
+        # Both engines take the same engine secret, and so does the router's link to each.
+        sections = {**sections, "server": {**sections.get("server", {}), "engine_secret": engine_secret}}
         if shares is None:  # sharing every CPU: two engines pinning threads to the same cores would collide
             sections = {**sections, "parallel": {**sections.get("parallel", {}), "pin_threads": False}}
         paths[role] = workdir / f"{role}.toml"
@@ -73,15 +80,14 @@ def engine_files(pd: DisaggConfig, workdir: Path) -> tuple[dict[str, Path], dict
 
 async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) -> int:
     """`config`: the shared tables with the command line's HTTP settings; its [server] is the router's."""
-    from asyncpp.launch import http_url, one_shot, start_http, stop_http  # launch hands PD configs to this module
-
     log = get_logger(role="pd_launch")
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: stop, reaping what started
         loop.add_signal_handler(sig, main_task.cancel)
     workdir = Path(tempfile.mkdtemp(prefix="asyncpp-pd-"))
-    paths, cpus = engine_files(pd, workdir)
+    engine_secret = config.server.engine_secret or new_secret()
+    paths, cpus = engine_files(pd, workdir, engine_secret)
     log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
     log_args += ["--log-file", ns.log_file] if ns.log_file else []
     children = {
@@ -98,12 +104,13 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
         timeout_s = pd.section.start_timeout_s
         addresses = await asyncio.gather(*(child.wait_ready(timeout_s) for child in children.values()))
         links = {
-            role: EngineLink(role, address, health_interval_s=pd.section.health_interval_s,
+            role: EngineLink(role, address, engine_secret=engine_secret, health_interval_s=pd.section.health_interval_s,
                              health_timeout_s=pd.section.health_timeout_s)
             for role, address in zip(ROLES, addresses)
         }  # fmt: skip
         port = config.server.port if ns.port is None else ns.port
-        queue = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES)
+        # The router's clients: those with the client secret (none holds the engine role here).
+        queue = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
         router = PDRouter(queue, links["prefill"], links["decode"], handover=pd.section.handover)
         try:
             await router.connect(timeout_s)
@@ -124,7 +131,7 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
         serving = asyncio.create_task(router.serve())
         ok = True
         if ns.prompt is not None:
-            ok = await one_shot(router.address, ns.prompt, ns.max_tokens)
+            ok = await one_shot(router.address, ns.prompt, ns.max_tokens, config.server.client_secret)
             await router.drain_and_stop(grace_s)
         await serving
         return 0 if ok and router.is_healthy else 1

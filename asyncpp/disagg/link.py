@@ -22,15 +22,20 @@ from collections.abc import Awaitable, Callable
 
 from asyncpp.client import AsyncClient
 from asyncpp.logging import get_logger
+from asyncpp.wire.client_auth import ENGINE
 
 RETRY_INTERVAL_S = 0.2
 
 
 class EngineLink:
-    def __init__(self, role: str, address: str, *, health_interval_s: float = 0.5, health_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, role: str, address: str, *, engine_secret: str = "", health_interval_s: float = 0.5,
+        health_timeout_s: float = 1.0,
+    ) -> None:  # fmt: skip
         self.role = role  # "prefill" | "decode"
         self.address = address
-        self.client = AsyncClient(address)
+        # In the engine role (the deployment's engine secret): the KV handshakes need it.
+        self.client = AsyncClient(address, secret=engine_secret, role=ENGINE)
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.engine_id: str | None = None  # its KV handshake's, once exchanged (None: it publishes none)

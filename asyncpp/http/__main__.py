@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_require_key=server.metrics_require_key,
         max_in_flight=config.scheduler.max_num_seqs + server.max_queued_requests,
         max_frame_bytes=server.max_frame_bytes, grace_period_s=server.grace_period_s,
+        client_secret=server.client_secret,
     )  # fmt: skip
     app = build_app(settings, processor)
     uvicorn_config = uvicorn.Config(

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,6 +60,7 @@ class HttpSettings:
     max_in_flight: int = 1024 + 64  # server.max_queued_requests + scheduler.max_num_seqs
     max_frame_bytes: int = 8 * 1024 * 1024  # server.max_frame_bytes, the engine's
     grace_period_s: float = 5.0  # at shutdown, for open requests to finish
+    client_secret: str = field(default="", repr=False)  # what the engine's client port asks of clients
 
 
 def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
@@ -73,7 +74,7 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["client"] = AsyncClient(settings.engine_address, settings.max_frame_bytes)
+        state["client"] = AsyncClient(settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret)
         yield
         state.pop("client").close()
 

@@ -2,7 +2,8 @@
 
 It composes the engine's tasks on one loop, none of which blocks it:
 * clients (`ClientPort`): decode and validate requests (and the remote prefills
-  that requests awaited), route deltas and errors;
+  that requests awaited), route deltas and errors; KV handshakes only to the
+  engine role;
 * the step window (`StepWindow`): schedule, dispatch and complete steps across
   the stages, KV-transfer polling included;
 * watchdog: sleeps until a stage process exits, then fails every request with
@@ -73,7 +74,7 @@ class EngineServer:
             KVHandshakeRequest: self._kv_handshake,
             AddRemoteEngine: self._add_remote_engine,
         }
-        self.port = ClientPort(router, self, replies)
+        self.port = ClientPort(router, self, replies, engine_only=frozenset({KVHandshakeRequest, AddRemoteEngine}))
         self.window = StepWindow(
             core,
             stages,
@@ -138,6 +139,9 @@ class EngineServer:
         self._stop.set()
 
     # ---- requests (`RequestSink`) ----------------------------------------------------------
+    def is_slow(self, msg: GenerateRequest) -> bool:
+        return _prompt_chars(msg.prompt) > OFF_LOOP_TOKENIZE_CHARS
+
     async def add_request(self, msg: GenerateRequest) -> None:
         if self.is_dead:
             raise RequestRefused("engine is dead", "engine_dead")
@@ -150,7 +154,7 @@ class EngineServer:
                 raise
             except (TypeError, ValueError) as e:
                 raise InvalidRequestError("sampling_params", str(e)) from e
-            if isinstance(msg.prompt, str) and len(msg.prompt) > OFF_LOOP_TOKENIZE_CHARS:
+            if self.is_slow(msg):
                 # Tokenizing a huge prompt must not stall every other request (one that cannot
                 # fit max_model_len is refused by its length alone, before tokenizing).
                 loop = asyncio.get_running_loop()
@@ -247,6 +251,15 @@ class EngineServer:
         if self.compute_plan is None:
             return {}
         return compute_stats(self.compute_plan, [ready.weight_nbytes for ready in self.stages.readies])
+
+
+def _prompt_chars(prompt: Any) -> int:
+    """Characters to tokenize: a text's, or a chat's contents'."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
 
 
 def _percentile(values, q: float) -> float | None:

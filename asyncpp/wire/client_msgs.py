@@ -120,7 +120,7 @@ assert len(_DELTA_FIELDS) == len(fields(RequestDeltas)), "RequestDeltas needs on
 class ErrorReply:
     request_id: str | None
     message: str
-    kind: str = "invalid_request"  # invalid_request | bad_frame | engine_dead | internal
+    kind: str = "invalid_request"  # invalid_request | bad_frame | engine_dead | forbidden | internal
     field: str | None = None
 
 
@@ -150,7 +150,8 @@ class KVHandshakeRequest:
 @dataclass(frozen=True)
 class KVHandshakeReply:
     nonce: int
-    handshake: EngineHandshake | None  # None: the engine's connector publishes none
+    handshake: EngineHandshake | None  # None: the engine's connector publishes none (or refused)
+    error: str | None = None  # why it refused (the asker does not hold the engine role)
 
 
 @message("add_remote_engine")

@@ -72,13 +72,14 @@ class LoopSocket:
         self._recheck()
         return frame
 
-    async def recv_multipart(self) -> list[bytes]:
+    async def recv_multipart(self, copy: bool = True) -> list:
+        """Bytes, or with `copy` False `zmq.Frame`s (which carry the peer's properties)."""
         is_ready = self.sock.getsockopt(_EVENTS) & _POLLIN
         while True:
             if not is_ready:
                 await self._sleep(_POLLIN)
             try:
-                frames = self.sock.recv_multipart(_NOBLOCK, copy=True)
+                frames = self.sock.recv_multipart(_NOBLOCK, copy=copy)
                 break
             except zmq.Again:
                 is_ready = False

@@ -6,7 +6,9 @@ frame is encoded by `asyncpp.wire.codec`. `RouterQueue` (engine, one socket
 for all clients) hands back the peer id with each message or the `WireError`
 that frame raised, so one bad client never disturbs the others. `DealerQueue`
 (client) refuses to send a frame over its limit (`FrameTooLargeError`): ZMQ
-would drop the connection for one over the hard limit without a word.
+would drop the connection for one over the hard limit without a word. The
+client channel always speaks PLAIN: `RouterQueue` lets peers in and tells
+their role as `wire.client_auth` decides, `DealerQueue` presents its own.
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from asyncpp.wire.client_auth import CLIENT, ClientAccess
 from asyncpp.wire.codec import WireError, decode, encode
-from asyncpp.wire.token_auth import secure_socket
+from asyncpp.wire.token_auth import REFUSAL_EVENTS, forget_plain, refusal_reason, require_plain, secure_socket
 from asyncpp.wire.loop_socket import LoopSocket
 
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
+
+
+_REFUSAL_CODES = {int(e) for e in zmq.Event if e & REFUSAL_EVENTS}
 
 
 class FrameTooLargeError(ValueError):
@@ -35,6 +42,11 @@ def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool, token: str | 
     sock = ctx.socket(kind)
     if token is not None:  # a control channel across hosts: only the run's own peers (`token_auth`)
         secure_socket(sock, token, bind, address)
+    return _configured(sock, address, bind)
+
+
+def _configured(sock: zmq.Socket, address: str, bind: bool) -> zmq.Socket:
+    kind = sock.type
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
     if kind in (zmq.PUSH, zmq.DEALER, zmq.ROUTER):
@@ -109,9 +121,10 @@ class PeerGoneError(ConnectionError):
 
 
 class RouterQueue:
-    """Engine side of the client channel: many peers on one bound socket."""
+    """Engine side of the client channel: many peers on one bound socket, each in its role."""
 
-    def __init__(self, address: str, max_frame_bytes: int) -> None:
+    def __init__(self, address: str, max_frame_bytes: int, access: ClientAccess = ClientAccess()) -> None:
+        access.check_bind(address)
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         # Sending to a disconnected peer raises instead of dropping silently: that is
         # how the engine learns a client went away and aborts its requests.
@@ -120,6 +133,8 @@ class RouterQueue:
         sock.setsockopt(zmq.MAXMSGSIZE, _HARD_MAX_FRAME_BYTES)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        self._domain = ClientAccess.new_domain()
+        require_plain(sock, self._domain, access.allows, address)
         sock.bind(address)
         self._io = LoopSocket(sock)
         self.max_frame_bytes = max_frame_bytes
@@ -130,14 +145,20 @@ class RouterQueue:
 
     async def get(self) -> tuple[bytes, Any]:
         """(peer id, message), or (peer id, WireError) for a frame that did not decode."""
-        frames = await self._io.recv_multipart()
-        peer, payload = frames[0], frames[-1]
+        peer, _, msg = await self.get_with_role()
+        return peer, msg
+
+    async def get_with_role(self) -> tuple[bytes, str, Any]:
+        """(peer id, its role, message or WireError); the role is what its credentials let it in as."""
+        frames = await self._io.recv_multipart(copy=False)
+        peer, payload = frames[0].bytes, frames[-1]
+        role = payload.get("User-Id")
         if len(frames) != 2:
-            return peer, WireError(f"expected one frame per message, got {len(frames) - 1}")
+            return peer, role, WireError(f"expected one frame per message, got {len(frames) - 1}")
         try:
-            return peer, decode(payload, self.max_frame_bytes)
+            return peer, role, decode(payload.bytes, self.max_frame_bytes)
         except WireError as e:
-            return peer, e
+            return peer, role, e
 
     async def put(self, peer: bytes, msg: Any) -> None:
         try:
@@ -149,13 +170,20 @@ class RouterQueue:
 
     def close(self) -> None:
         self._io.close()
+        forget_plain(self._domain)
 
 
 class DealerQueue:
-    """Client side of the client channel; `max_frame_bytes`: the engine's limit, if known."""
+    """Client side of the client channel; `max_frame_bytes`: the engine's limit, if known; `role`
+    and `secret`: what it presents (`wire.client_auth`)."""
 
-    def __init__(self, address: str, max_frame_bytes: int | None = None) -> None:
-        self._sock = _socket(zmq.Context.instance(), zmq.DEALER, address, bind=False)
+    def __init__(self, address: str, max_frame_bytes: int | None = None, role: str = CLIENT, secret: str = "") -> None:
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.plain_username = role.encode()
+        sock.plain_password = (secret or "none").encode()  # PLAIN takes no empty password
+        # Before connecting: a refusal of our credentials is seen on the monitor, never as a frame.
+        self._monitor = LoopSocket(sock.get_monitor_socket(REFUSAL_EVENTS))
+        self._sock = _configured(sock, address, bind=False)
         self._io = LoopSocket(self._sock)
         self.max_frame_bytes = min(max_frame_bytes or _HARD_MAX_FRAME_BYTES, _HARD_MAX_FRAME_BYTES)
 
@@ -172,5 +200,14 @@ class DealerQueue:
     async def get(self) -> Any:
         return decode(await self._io.recv())
 
+    async def refused(self) -> str:
+        """Wait until the engine refuses this socket's credentials; why (the engine's port lets no
+        frame of ours in, so the caller must not wait for replies after this)."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())
+            if event["event"] in _REFUSAL_CODES:
+                return refusal_reason(event["event"])
+
     def close(self) -> None:
+        self._monitor.close()
         self._io.close()

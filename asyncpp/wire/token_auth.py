@@ -10,11 +10,17 @@ token: a mechanism mismatch; a wrong one: denied by ZAP) is logged as
 monitors. The token reaches the stages through the placement (Ray's actor
 arguments). PLAIN sends it unencrypted on connect: this keeps strangers on
 the network from driving a stage, it does not hide the traffic.
+
+The same ZAP thread checks the engines' client ports (`require_plain`, used
+by `wire.client_auth`): there a function per socket decides which
+username/password pairs may in, and ZMQ stamps the username on every message
+that peer sends, which is how the port knows each peer's role.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -31,8 +37,12 @@ _REFUSALS = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no token (handshake failed)",
 }
 
+# The monitor events of a refused handshake, on either side.
+REFUSAL_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 _lock = threading.Lock()
-_auth: ThreadAuthenticator | None = None
+_auth: "_Authenticator | None" = None
 _watcher: "_RefusalWatcher | None" = None
 
 
@@ -48,14 +58,57 @@ def secure_socket(sock: zmq.Socket, token: str, bind: bool, address: str) -> Non
     _watcher_for(sock.context).watch(sock, address)
 
 
-def _ensure_auth(ctx: zmq.Context, token: str) -> None:
-    global _auth
+def refusal_reason(event: int) -> str:
+    return _REFUSALS.get(event, f"event {event}")
+
+
+def require_plain(sock: zmq.Socket, domain: str, check: Callable[[str, str], bool], address: str) -> None:
+    """Before bind: `sock` serves only PLAIN peers for which `check(username, password)` is true;
+    each of their messages carries the username as its "User-Id" (what role they hold)."""
     with _lock:
-        if _auth is None:
-            _auth = ThreadAuthenticator(ctx)
-            _auth.start()
+        auth = _started(sock.context)
+        auth.checks[domain] = check
+    sock.plain_server = True
+    sock.zap_domain = domain.encode()
+    _watcher_for(sock.context).watch(sock, address)
+
+
+def forget_plain(domain: str) -> None:
+    """The socket of `domain` is closed: drop its check."""
+    with _lock:
+        if _auth is not None:
+            _auth.checks.pop(domain, None)
+
+
+class _Authenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, which also asks a function per domain whether a PLAIN peer may in."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        super().__init__(ctx)
+        self.checks: dict[str, Callable[[str, str], bool]] = {}
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        check = self.checks.get(domain)
+        if check is None:
+            return super()._authenticate_plain(domain, username, password)
+        try:
+            return (True, b"OK") if check(username, password) else (False, b"Invalid credentials")
+        except Exception:  # noqa: BLE001 - a check that fails refuses; the ZAP thread lives on
+            return False, b"Invalid credentials"
+
+
+def _started(ctx: zmq.Context) -> _Authenticator:
+    global _auth
+    if _auth is None:
+        _auth = _Authenticator(ctx)
+        _auth.start()
+    return _auth
+
+
+def _ensure_auth(ctx: zmq.Context, token: str) -> None:
+    with _lock:
         # One run per process: its token is the only one accepted.
-        _auth.configure_plain(domain=DOMAIN.decode(), passwords={USER: token})
+        _started(ctx).configure_plain(domain=DOMAIN.decode(), passwords={USER: token})
 
 
 def _watcher_for(ctx: zmq.Context) -> "_RefusalWatcher":
@@ -81,9 +134,7 @@ class _RefusalWatcher:
         threading.Thread(target=self._run, name="asyncpp-auth-watch", daemon=True).start()
 
     def watch(self, sock: zmq.Socket, address: str) -> None:
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        )
+        monitor = sock.get_monitor_socket(REFUSAL_EVENTS)
         with self._wake_lock:
             self._pending.append((monitor, address))
             self._wake_out.send(b"")
@@ -110,5 +161,5 @@ class _RefusalWatcher:
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     poller.unregister(sock)
                     continue
-                reason = _REFUSALS.get(event["event"], f"event {event['event']}")
+                reason = refusal_reason(event["event"])
                 self._log.warning("control_connection_refused", address=addresses.get(sock), reason=reason)

@@ -14,7 +14,7 @@ from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router import PDRouter
 from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.wire.queues import RouterQueue
-from tests.disagg.fakes import FakeEngine
+from tests.disagg.fakes import ENGINE_SECRET, FakeEngine
 
 PREFILL_HANDSHAKE = EngineHandshake("prefill-0", 1, [])
 DECODE_HANDSHAKE = EngineHandshake("decode-0", 1, [])
@@ -46,7 +46,8 @@ class RouterSetup:
 
 def make_router(prefill: FakeEngine, decode: FakeEngine, **health) -> PDRouter:
     queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
-    return PDRouter(queue, EngineLink("prefill", prefill.address, **health), EngineLink("decode", decode.address, **health))
+    links = [EngineLink(role, engine.address, engine_secret=ENGINE_SECRET, **health) for role, engine in (("prefill", prefill), ("decode", decode))]
+    return PDRouter(queue, *links)
 
 
 @contextlib.asynccontextmanager

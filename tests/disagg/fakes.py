@@ -34,6 +34,7 @@ from asyncpp.wire.client_msgs import (
     StatsReply,
     StatsRequest,
 )
+from asyncpp.wire.client_auth import ClientAccess
 from asyncpp.wire.queues import RouterQueue
 from asyncpp.worker.outputs import Logprobs
 
@@ -54,10 +55,12 @@ def decode_deltas(request_id: str) -> list[RequestDelta]:
     ]
 
 
+ENGINE_SECRET = "fake-deployment-engine-secret"  # what the routers under test present
+
 class FakeEngine:
     def __init__(self, role: str, handshake: EngineHandshake | None = None) -> None:
         self.role = role
-        self.queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
+        self.queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20, ClientAccess(engine_secret=ENGINE_SECRET))
         self.handshake = handshake
         self.received: list[GenerateRequest] = []
         self.aborted: list[str] = []

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -16,7 +18,7 @@ from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, RequestDelta, RequestDeltas
 from asyncpp.wire.queues import DealerQueue
 from tests.disagg.conftest import PREFILL_HANDSHAKE, RouterSetup, make_router, until
-from tests.disagg.fakes import PREFILL_PARAMS, FakeEngine, client_deltas
+from tests.disagg.fakes import ENGINE_SECRET, PREFILL_PARAMS, FakeEngine, client_deltas
 
 PARAMS = {"max_tokens": 3, "temperature": 0.0, "seed": 5, "stop": ["c"], "logprobs": 2}
 
@@ -288,11 +290,23 @@ async def test_draining_fails_what_is_left_with_shutdown(pd: RouterSetup):
     await until(lambda: pd.decode.aborted, what="abort at the decode engine")
 
 
+def test_the_router_alone_needs_the_engines_secret_and_a_client_secret_off_loopback():
+    """Without ASYNCPP_ENGINE_SECRET it could not hold the engine role; off loopback it needs a client secret."""
+    base = [sys.executable, "-m", "asyncpp.disagg", "--prefill", "tcp://127.0.0.1:1", "--decode", "tcp://127.0.0.1:2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("ASYNCPP_ENGINE_SECRET", "ASYNCPP_CLIENT_SECRET")}
+    done = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "set ASYNCPP_ENGINE_SECRET" in done.stderr
+    env["ASYNCPP_ENGINE_SECRET"] = ENGINE_SECRET
+    done = subprocess.run([*base, "--host", "0.0.0.0", "--port", "0"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "not on loopback: set server.client_secret" in done.stderr
+
+
 async def test_the_router_alone_in_front_of_running_engines(pd: RouterSetup):
     """`python -m asyncpp.disagg`: the same router as its own process, stopped by SIGTERM."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "asyncpp.disagg", "--prefill", pd.prefill.address, "--decode", pd.decode.address,
         "--port", "0", "--log-level", "warning", stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "ASYNCPP_ENGINE_SECRET": ENGINE_SECRET},
     )  # fmt: skip
     try:
         line = (await asyncio.wait_for(proc.stderr.readline(), 60)).decode()

@@ -4,6 +4,7 @@ the engine does not start; the client protocol's kv_handshake / add_remote_engin
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 
 import tests.kv_transfer.pd.connectors  # noqa: F401  (registers the test connectors)
 from asyncpp.bench.runs import to_toml
-from asyncpp.client import AsyncClient
+from asyncpp.client import AsyncClient, ClientRefusedError
 from asyncpp.engine.engine import Engine
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, aggregate_handshakes
@@ -139,10 +140,14 @@ def remote(engine_id: str) -> EngineHandshake:
     return EngineHandshake(engine_id, 2, [md(0, end=3), md(1, start=3)])
 
 
+ENGINE_SECRET, CLIENT_SECRET = "test-engine-secret", "test-client-secret"
+SECRETS = {"engine_secret": ENGINE_SECRET, "client_secret": CLIENT_SECRET}
+
+
 async def test_launched_stage_handshakes_and_the_client_protocol(tmp_path, tiny_hf_dir):
     kv = {"connector": "handshake-recorder", "module": MODULE, "engine_id": "prefill-a"}
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv)) as engine:
-        client = AsyncClient(engine.address)
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv, server=SECRETS)) as engine:
+        client = AsyncClient(engine.address, secret=ENGINE_SECRET, role="engine")
         try:
             stats = await client.stats()
             assert stats["handshake_keys"] == [[0, 0], [1, 0]]
@@ -169,9 +174,42 @@ async def test_launched_stage_handshakes_and_the_client_protocol(tmp_path, tiny_
     assert engine.proc.returncode == 0, "".join(engine.output[-40:])
 
 
+async def test_launched_only_the_engine_role_gets_handshakes_and_adds_engines(tmp_path, tiny_hf_dir):
+    """A client with the client secret is served, but never sees the handshake (its params key, its
+    agents) nor adds an engine; a client without it, or claiming the engine role with it, is refused."""
+    kv = {"connector": "handshake-recorder", "module": MODULE, "engine_id": "prefill-a"}
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv, server=SECRETS)) as engine:
+        client = AsyncClient(engine.address, secret=CLIENT_SECRET)
+        strangers = [AsyncClient(engine.address), AsyncClient(engine.address, secret="guess"),
+                     AsyncClient(engine.address, secret=CLIENT_SECRET, role="engine")]  # fmt: skip
+        try:
+            with pytest.raises(RuntimeError, match="engine refused the KV handshake: KVHandshakeRequest needs the engine role"):
+                await client.kv_handshake(timeout_s=30)
+            with pytest.raises(RuntimeError, match="refused remote engine 'decode-b': AddRemoteEngine needs the engine role"):
+                await client.add_remote_engine(remote("decode-b"), timeout_s=30)
+            stats = await client.stats()
+            assert stats["remote_engines"] == {}  # nothing was added
+            assert "agent of stage" not in repr(stats)
+            tokens = [t async for delta in client.generate([5, 6, 7, 8], GREEDY) for t in delta.token_ids]
+            assert len(tokens) == 4
+            for stranger in strangers:
+                with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
+                    await stranger.health(timeout_s=30)
+                with pytest.raises(ClientRefusedError):
+                    async for _ in stranger.generate([5, 6], GREEDY):
+                        pass
+        finally:
+            for c in (client, *strangers):
+                c.close()
+    assert engine.proc.returncode == 0, "".join(engine.output[-40:])
+    events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
+    refused = [e for e in events if e.get("event") == "engine_role_refused"]
+    assert [(e["role"], e["message"]) for e in refused] == [("client", "KVHandshakeRequest"), ("client", "AddRemoteEngine")]
+
+
 async def test_launched_without_a_connector_publishes_no_handshake(tmp_path, tiny_hf_dir):
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2))) as engine:
-        client = AsyncClient(engine.address)
+    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (2, 2), server={"engine_secret": ENGINE_SECRET})) as engine:
+        client = AsyncClient(engine.address, secret=ENGINE_SECRET, role="engine")
         try:
             assert await client.kv_handshake() is None
             with pytest.raises(RuntimeError, match="no KV connector"):
