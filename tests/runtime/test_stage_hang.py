@@ -66,8 +66,7 @@ async def test_a_stopped_stage_fails_every_request_past_the_step_deadline(tmp_pa
             print(f"\nstopped stage {victim}: EngineDeadError {first_failure_s:.2f} s after SIGSTOP")
             assert engine.wait(timeout_s=LIVENESS_S) == 1
             wait_until(lambda: not any(pid_alive(p) for p in pids), LIVENESS_S, "stage processes reaped")
-            hung = [e for e in log_events(engine.log_file, event="stage_hung", pp_rank=victim)]
-            assert hung == ["stage_hung"]
+            assert log_events(engine.log_file, event="stage_hung", pp_rank=victim) == ["stage_hung"]
             assert "stage_died" not in engine.log_file.read_text()
     finally:
         if stopped_pid is not None:
