@@ -118,6 +118,13 @@ class ParallelConfig:
     backend: str = "local"
     ray_address: str = "auto"  # ray.init(address=...): "auto", "ray://host:10001", "host:6379"
     placement: str = "spread"  # "spread": stages on different nodes where possible; "pack": few nodes
+    # The step deadline: a stage that has had a step it could run (its input there, room for its
+    # output) for this long and reported nothing is hung (a stopped process, a partitioned node,
+    # a stuck ring): the engine fails every request as when a stage dies, and exits with code 1
+    # (`asyncpp/runtime/step_deadline.py`). One stage's share of a step must stay well under it:
+    # a full prompt chunk (scheduler.max_num_batched_tokens) of a big model on a slow CPU is the
+    # longest, hence the generous default.
+    step_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
@@ -135,6 +142,9 @@ class ParallelConfig:
             if not _is_device_name(d):
                 raise ConfigError(f"parallel.devices entries must be 'cpu' or 'cuda[:N]', got {d!r}")
         _positive("parallel.num_threads", self.num_threads)
+        timeout = self.step_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ConfigError(f"parallel.step_timeout_s must be a positive number of seconds, got {timeout!r}")
         if not 0 <= self.max_steps_in_flight <= self.pp_size + 1:
             raise ConfigError(
                 f"parallel.max_steps_in_flight must be 0 (= pp_size) or 1..pp_size + 1 = {self.pp_size + 1}, "

@@ -30,6 +30,7 @@ def test_default_config_is_the_documented_deployment():
     assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
     assert config.parallel.steps_in_flight == 2  # one cohort per stage
     assert config.server.host == "127.0.0.1"
+    assert config.parallel.step_timeout_s == 60.0  # generous: a long prompt chunk on a slow CPU
 
 
 def test_config_is_frozen():
@@ -65,6 +66,10 @@ def test_config_is_frozen():
         ({"parallel": {"stage_nice": 20}}, "parallel.stage_nice must be in 0..19"),
         ({"parallel": {"stage_nice": -1}}, "parallel.stage_nice must be in 0..19"),
         ({"parallel": {"shift_layers": -1}}, "parallel.shift_layers must be >= 0"),
+        ({"parallel": {"step_timeout_s": 0}}, "parallel.step_timeout_s must be a positive number of seconds"),
+        ({"parallel": {"step_timeout_s": -1.5}}, "parallel.step_timeout_s must be a positive number of seconds"),
+        ({"parallel": {"step_timeout_s": float("inf")}}, "parallel.step_timeout_s must be a positive number"),
+        ({"parallel": {"step_timeout_s": "30"}}, "parallel.step_timeout_s must be float"),
         ({"scheduler": {"enable_chunked_prefill": False, "max_num_batched_tokens": 16}}, "max_num_batched_tokens"),
     ],
 )

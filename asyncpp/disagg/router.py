@@ -22,8 +22,11 @@ asked with `decode_engine_id`); the prefill's last delta's params follow
 (`RemotePrefillDone`) and bring the first token. A request that ends at the
 prefill aborts its decode request. `"after_prefill"` sends the decode
 request only once the prefill is done.
-Both engines know the request by one id the router makes (`<client id>.pd<n>`,
-unique per router), so two clients may use the same id. Errors from either
+Both engines know the request by one id the router makes
+(`<client id>.pd<router id>.<n>`), so two clients may use the same id; the
+router id is 64 random bits drawn when the router starts, so neither a second
+router in front of the same engines nor a restarted one (whose `n` starts
+over) makes an id a live request already has. Errors from either
 engine reach the client with their kind. An abort (or the client gone) cancels
 the task, and cancelling it aborts the request in whichever engine holds it
 (`AsyncClient.generate` sends the abort as its stream closes); an abort before
@@ -38,6 +41,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -105,9 +109,10 @@ class PDRouter:
         self.requests: dict[tuple[bytes, str], RoutedRequest] = {}
         self.counters = RouterCounters()
         self.is_draining = False
+        self.router_id = secrets.token_hex(8)  # in every engine request id: unique across routers and restarts
         self._ids = itertools.count(1)
         self._stop = asyncio.Event()
-        self.log = get_logger(role="pd_router")
+        self.log = get_logger(role="pd_router", router_id=self.router_id)
         for link in (prefill, decode):
             link.on_dead = self._engine_dead
             link.on_answer = self._engine_answers
@@ -175,7 +180,7 @@ class PDRouter:
             SamplingParams.from_dict(msg.sampling_params).validate()
         except (TypeError, ValueError) as e:
             return invalid(rid, "sampling_params", str(e))
-        req = RoutedRequest(peer, msg, f"{rid}.pd{next(self._ids)}")
+        req = RoutedRequest(peer, msg, f"{rid}.pd{self.router_id}.{next(self._ids)}")
         self.requests[req.key] = req
         self.counters.num_requests += 1
         req.task = asyncio.get_running_loop().create_task(self._route(req))

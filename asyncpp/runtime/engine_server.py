@@ -6,8 +6,9 @@ It composes the engine's tasks on one loop, none of which blocks it:
   engine role;
 * the step window (`StepWindow`): schedule, dispatch and complete steps across
   the stages, KV-transfer polling included;
-* watchdog: sleeps until a stage process exits, then fails every request with
-  an engine-dead error.
+* watchdogs: sleep until a stage process exits, or until a stage passes the
+  step deadline (`parallel.step_timeout_s`: hung), then fail every request
+  with an engine-dead error, turn `/health` false and stop (exit code 1).
 What is left here is what ties them together: taking a request into the
 engine core (huge prompts are tokenized off the loop), aborts, failing a
 request with a message for its client, draining on shutdown, and `stats()`.
@@ -111,6 +112,7 @@ class EngineServer:
             asyncio.create_task(self.window.output_loop(), name="outputs"),
             asyncio.create_task(self.window.schedule_loop(), name="schedule"),
             asyncio.create_task(self._watchdog(), name="watchdog"),
+            asyncio.create_task(self._hang_watchdog(), name="step_deadline"),
         ]
         await self._stop.wait()
         for t in tasks:
@@ -211,10 +213,32 @@ class EngineServer:
     async def _watchdog(self) -> None:
         await self._engine_dead(await self.stages.wait_for_death())
 
+    async def _hang_watchdog(self) -> None:
+        hung, waited_s = await self.window.wait_for_hang()
+        if self.is_dead:  # a stage exited meanwhile: the death watchdog already stops the engine
+            return
+        self.is_dead = True
+        self.log.error(
+            "stage_hung",
+            pp_rank=hung[0],
+            hung_pp_ranks=hung,
+            waited_s=round(waited_s, 3),
+            step_timeout_s=self.window.step_timeout_s,
+            num_failed_requests=len(self.peer_of),
+        )
+        await self._fail_all_and_stop(
+            f"engine is dead: stage {hung[0]} hung (no output for {waited_s:.1f} s with a step it could run; "
+            f"parallel.step_timeout_s = {self.window.step_timeout_s:g})"
+        )
+
     async def _engine_dead(self, dead: list[int]) -> None:
+        if self.is_dead:  # declared hung first (a stage killed after it stopped)
+            return
         self.is_dead = True
         self.log.error("stage_died", dead_pp_ranks=dead, num_failed_requests=len(self.peer_of))
-        message = f"engine is dead: stage(s) {dead} exited"
+        await self._fail_all_and_stop(f"engine is dead: stage(s) {dead} exited")
+
+    async def _fail_all_and_stop(self, message: str) -> None:
         for request_id in list(self.peer_of):
             await self._fail(request_id, message, "engine_dead")
         self.window.stop()

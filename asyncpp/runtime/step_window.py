@@ -23,6 +23,10 @@
   (`HELD_POLL_INTERVAL_S` when only held blocks wait for their sends: no
   request waits on them, and a prefill engine holding blocks for a decode
   engine's pull would otherwise take a core from the pull with its polls).
+* step deadline: `wait_for_hang` returns the stages that had a step they could
+  run for `parallel.step_timeout_s` without reporting it (`step_deadline`), so
+  a stopped or cut-off stage fails the engine instead of leaving every request
+  waiting forever.
 A plan whose cohort is the only one in flight carries `num_threads` = every
 stage's threads (CPU, `parallel.lend_idle_threads`), as far as other work on
 the machine leaves cores spare (`SpareCpus`): its steps pass through the stages
@@ -52,6 +56,7 @@ from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.logging import get_logger, is_debug_enabled
 from asyncpp.runtime.spare_cpus import SpareCpus
+from asyncpp.runtime.step_deadline import hung_stages, waiting_since
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.step_phases import step_phases
 from asyncpp.wire.stage_msgs import StageOutput
@@ -68,6 +73,15 @@ class _InFlightStep:
     plan: StepPlan
     dispatched_at: float
     outputs: dict[int, StageOutput] = field(default_factory=dict)
+    reported_at: dict[int, float] = field(default_factory=dict)  # pp_rank -> when its output arrived
+
+    @property
+    def step_id(self) -> int:
+        return self.plan.step_id
+
+    @property
+    def after_step_id(self) -> int | None:
+        return self.plan.after_step_id
 
 
 class StepWindow:
@@ -101,6 +115,8 @@ class StepWindow:
         pids = [os.getpid(), *(p.pid for p in stages.procs)]
         self.spare_cpus: SpareCpus | None = SpareCpus(pids) if is_lending else None
         self.in_flight: dict[int, _InFlightStep] = {}
+        self.step_timeout_s = parallel.step_timeout_s
+        self.last_output_at = [0.0] * self.pp_size  # each stage's latest output (monotonic s)
         # Each cohort's in-flight step ids, oldest first: one, or two with async scheduling.
         self.cohorts: list[list[int]] = []
         self.last_dispatched_step_id = -1
@@ -264,11 +280,24 @@ class StepWindow:
                 self.log.warning("unknown_step_output", step_id=out.step_id, pp_rank=out.pp_rank)
                 continue
             step.outputs[out.pp_rank] = out
+            step.reported_at[out.pp_rank] = self.last_output_at[out.pp_rank] = time.monotonic()
             self.stage_busy_s[out.pp_rank] += out.busy_s
             if out.pp_rank < self.pp_size - 1 and out.error is None:
                 self.handoff_us[out.pp_rank].append(out.handoff_us)
             if len(step.outputs) == self.pp_size:
                 await self._complete(step)
+
+    async def wait_for_hang(self) -> tuple[list[int], float]:
+        """(Ranks of the hung stages, longest waiting first; how long the first waited), once one
+        has waited `step_timeout_s`. Wakes when the earliest clock runs out, and at least every
+        quarter deadline to look at steps dispatched meanwhile: a handful of wake-ups a minute."""
+        while True:
+            since = waiting_since(self.in_flight.values(), self.last_output_at)
+            now = time.monotonic()
+            if not self.is_stopped and (hung := hung_stages(since, now, self.step_timeout_s)):
+                return hung, now - since[hung[0]]
+            next_check_at = min(since.values(), default=now) + self.step_timeout_s
+            await asyncio.sleep(max(0.001, min(next_check_at - now, self.step_timeout_s / 4)))
 
     async def _complete(self, step: _InFlightStep) -> None:
         del self.in_flight[step.plan.step_id]

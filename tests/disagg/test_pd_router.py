@@ -261,6 +261,35 @@ async def test_two_clients_may_use_the_same_request_id(pd: RouterSetup):
     assert len(ids) == 2 and ids == {msg.request_id for msg in pd.prefill.received}
 
 
+async def test_routers_in_front_of_the_same_engines_never_share_an_engine_request_id(pd: RouterSetup):
+    # Router A's request stays live on the decode engine while a second router B, and then B
+    # restarted (its request counter starting over), send a request with the same client id.
+    pd.decode.gate.clear()
+    a = asyncio.create_task(collect(pd.client(), request_id="same"))
+    await until(lambda: len(pd.decode.received) == 1, what="router A's decode request")
+    tasks = []
+    for n in (2, 3):  # B, then B after a restart
+        router = make_router(pd.prefill, pd.decode)
+        await router.connect(5.0)
+        serving = asyncio.create_task(router.serve())
+        client = AsyncClient(router.address)
+        try:
+            tasks.append(asyncio.create_task(collect(client, request_id="same")))
+            await until(lambda: len(pd.decode.received) == n, what=f"decode request {n}")
+            await router.drain_and_stop(0.0)  # fails B's request for its client: B goes down
+            await serving
+            await router.close()
+        finally:
+            client.close()
+    pd.decode.gate.set()
+    assert await a == client_deltas("same")  # A's request was never disturbed
+    await asyncio.gather(*tasks, return_exceptions=True)
+    ids = [msg.request_id for msg in pd.decode.received]
+    assert len(set(ids)) == 3, ids
+    assert [msg.request_id for msg in pd.prefill.received] == ids
+    assert all(i.startswith("same.pd") for i in ids)
+
+
 async def test_one_client_reusing_an_unfinished_id_is_refused(pd: RouterSetup):
     pd.prefill.gate.clear()
     queue = DealerQueue(pd.router.address)
