@@ -14,6 +14,7 @@ import os
 
 import ray
 
+from asyncpp.logging import configure_logging
 from asyncpp.runtime.ray_backend.addresses import tcp
 from asyncpp.runtime.stage_process import StageArgs, StageInputs, stage_main
 
@@ -28,6 +29,8 @@ class StageActor:
 
     def bind_inputs(self, args: StageArgs, token: str) -> tuple[str, str]:
         """(activations address, sampled-tokens address) as bound, "" for a queue this stage lacks."""
+        # Logging first: the token's refusal watcher, started by the first bind, keeps the logger it gets then.
+        configure_logging(args.log_format, args.log_level, args.log_file)
         any_port = tcp(ray.util.get_node_ip_address(), 0)
         self._inputs = StageInputs.bind(args, any_port, any_port, token)
         return tuple(q.address if q is not None else "" for q in (self._inputs.acts_in, self._inputs.tokens_in))
