@@ -124,8 +124,25 @@ class StageArgs:
         return self.pp_rank == self.pp_size - 1
 
 
-def stage_main(args: StageArgs) -> None:
-    """Entry point of a spawned stage process."""
+@dataclass
+class StageInputs:
+    """The queues a stage receives on besides the plans. A local stage binds them itself; a Ray actor
+    binds them on port 0 before the run's addresses exist and reports the ports the OS chose."""
+
+    acts_in: PullQueue | None = None  # every stage but the first: the previous stage's activation notices
+    tokens_in: PullQueue | None = None  # the first stage, tokens passed (async scheduling, pp > 1)
+
+    @staticmethod
+    def bind(args: StageArgs, activations_addr: str, sampled_addr: str, token: str | None) -> StageInputs:
+        takes_tokens = args.is_first and args.async_scheduling and args.pp_size > 1
+        return StageInputs(
+            PullQueue(activations_addr, bind=True, token=token) if not args.is_first else None,
+            PullQueue(sampled_addr, bind=True, token=token) if takes_tokens else None,
+        )
+
+
+def stage_main(args: StageArgs, inputs: StageInputs | None = None) -> None:
+    """Entry point of a spawned stage process; `inputs`: its receiving queues if already bound."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
     _die_with_launcher()
     configure_logging(args.log_format, args.log_level, args.log_file)
@@ -135,7 +152,7 @@ def stage_main(args: StageArgs) -> None:
     if args.nice:
         os.nice(args.nice)
     log = get_logger(role="stage", pp_rank=args.pp_rank)
-    stage = Stage(args, log)
+    stage = Stage(args, log, inputs)
     try:
         with profiled(f"stage{args.pp_rank}"):
             stage.serve()
@@ -178,17 +195,18 @@ class StepThreads:
 
 
 class Stage:
-    def __init__(self, args: StageArgs, log) -> None:
+    def __init__(self, args: StageArgs, log, inputs: StageInputs | None = None) -> None:
         self.args = args
         self.log = log
         self.is_debug = is_debug_enabled(log)
         addrs, token = args.addresses, args.addresses.token  # token: control channels across hosts
         self.plans = PullQueue(addrs.plan(args.pp_rank), token=token)
         self.outputs = PushQueue(addrs.stage_outputs, token=token)
-        self.acts_in = PullQueue(addrs.activations(args.pp_rank), bind=True, token=token) if not args.is_first else None
+        if inputs is None:  # a local stage: its ipc:// paths are private to the run directory
+            inputs = StageInputs.bind(args, addrs.activations(args.pp_rank), addrs.sampled_tokens, token)
+        self.acts_in, self.tokens_in = inputs.acts_in, inputs.tokens_in
         self.acts_out = PushQueue(addrs.activations(args.pp_rank + 1), token=token) if not args.is_last else None
         passes_tokens = args.async_scheduling and args.pp_size > 1
-        self.tokens_in = PullQueue(addrs.sampled_tokens, bind=True, token=token) if passes_tokens and args.is_first else None
         self.tokens_out = PushQueue(addrs.sampled_tokens, token=token) if passes_tokens and args.is_last else None
         self.last_tokens_step_id = -1  # first stage: the latest step whose sampled tokens are in
         self.threads = StepThreads(args.num_threads)

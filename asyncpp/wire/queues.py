@@ -68,6 +68,11 @@ class PushQueue:
     def put(self, msg: Any) -> None:
         self._sock.send(encode(msg), copy=False)
 
+    @property
+    def address(self) -> str:
+        """The bound (or connected) endpoint, with the port the OS chose for port 0."""
+        return self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
@@ -86,6 +91,11 @@ class PullQueue:
     def has_message(self) -> bool:
         return bool(self._sock.poll(0))
 
+    @property
+    def address(self) -> str:
+        """The bound (or connected) endpoint, with the port the OS chose for port 0."""
+        return self._sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
@@ -101,6 +111,11 @@ class AsyncPushQueue:
         """Send a frame made by `asyncpp.wire.codec.encode` (a broadcast encodes once)."""
         await self._io.send(frame)
 
+    @property
+    def address(self) -> str:
+        """The bound (or connected) endpoint, with the port the OS chose for port 0."""
+        return self._io.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
     def close(self) -> None:
         self._io.close()
 
@@ -111,6 +126,11 @@ class AsyncPullQueue:
 
     async def get(self) -> Any:
         return decode(await self._io.recv())
+
+    @property
+    def address(self) -> str:
+        """The bound (or connected) endpoint, with the port the OS chose for port 0."""
+        return self._io.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def close(self) -> None:
         self._io.close()

@@ -4,13 +4,14 @@ Same methods as `RunAddresses` (the stage loop cannot tell them apart); the
 engine's ends (plans, outputs) are on the launcher's node, each stage's
 receiving ends (activations; the sampled tokens on stage 0) on its own node,
 each bound to the address Ray reports for that node, never to all interfaces.
-Ports are picked free on their host just before the run starts.
+Every port is the one the OS gave its socket, bound on port 0 with the token
+before the address is reported: none is picked free and bound later, when
+another user of that host could have taken it and been sent the token.
 """
 
 from __future__ import annotations
 
 import secrets
-import socket
 from dataclasses import dataclass
 
 
@@ -22,7 +23,7 @@ class TcpAddresses:
     plan_addrs: tuple[str, ...]  # by pp_rank: bound by the engine
     outputs_addr: str  # bound by the engine
     activation_addrs: tuple[str, ...]  # by pp_rank, "" for stage 0: bound by the receiving stage
-    sampled_addr: str  # bound by stage 0
+    sampled_addr: str  # bound by stage 0; "" when no sampled tokens pass (no async scheduling)
 
     def plan(self, pp_rank: int) -> str:
         return self.plan_addrs[pp_rank]
@@ -50,20 +51,6 @@ class TcpAddresses:
 
 def new_token() -> str:
     return secrets.token_hex(16)
-
-
-def free_ports(ip: str, count: int) -> list[int]:
-    """`count` distinct ports free on `ip` right now (the OS picks them; they are released at once)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((ip, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tcp(ip: str, port: int) -> str:

@@ -1,9 +1,11 @@
 """`RayStageGroup`: the engine's `StageGroup` with one Ray actor per stage instead of a child process.
 
 Start-up (all before the first stage runs): connect to the cluster, reserve
-the placement group, start the actors in their bundles, learn each one's
-node and pick free ports there, then build the run's `TcpAddresses` (one
-token for every control connection) and choose each stage pair's transport:
+the placement group, start the actors in their bundles, bind the engine's
+queues on port 0 with a new token (one for every control connection), have
+each actor learn its node and bind its receiving queues there the same way,
+then build the run's `TcpAddresses` from the ports bound and choose each
+stage pair's transport:
 `nixl` when the two stages are on different nodes, the local one (shared
 memory, CUDA IPC) when they share one. `start` hands each actor its
 `StageArgs`; from then on the engine talks to the stages exactly as to local
@@ -27,7 +29,7 @@ from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.logging import get_logger
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.ray_backend.actor import remote_stage_actor
-from asyncpp.runtime.ray_backend.addresses import TcpAddresses, free_ports, new_token, tcp
+from asyncpp.runtime.ray_backend.addresses import TcpAddresses, new_token, tcp
 from asyncpp.runtime.ray_backend.placement import Placement, connect, import_ray, reserve
 from asyncpp.runtime.stage_group import StageGroup, openmp_env
 from asyncpp.runtime.stage_process import StageArgs
@@ -94,25 +96,31 @@ class RayStageGroup(StageGroup):
                     runtime_env={"env_vars": stage_env(args, os.environ)},
                 ).remote()
             )
+        # Every control socket is bound on port 0 before its address is known, token first: no port
+        # is picked free and bound later, when another local user could have taken it.
+        token = new_token()
+        engine_ip = ray.util.get_node_ip_address()
+        self.plan_queues = [AsyncPushQueue(tcp(engine_ip, 0), bind=True, token=token) for _ in range(self.pp_size)]
+        self.outputs = AsyncPullQueue(tcp(engine_ip, 0), bind=True, token=token)
         try:
             wheres = ray.get([a.where.remote() for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
-            ports = ray.get([a.free_ports.remote(1) for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
+            inputs = ray.get(
+                [a.bind_inputs.remote(args, token) for a, args in zip(self._actors, stage_args)],
+                timeout=ACTOR_START_TIMEOUT_S,
+            )
         except Exception as e:  # noqa: BLE001 - an actor that cannot start (runtime env, import) stops the run
             raise ConfigError(f"parallel.backend = 'ray': the stage actors did not start: {e}") from e
         self.procs = [ActorStage(pid, node_id, ip) for node_id, ip, pid in wheres]
-        engine_ip = ray.util.get_node_ip_address()
-        engine_ports = free_ports(engine_ip, self.pp_size + 1)
-        token = new_token()
         node_ips = [s.node_ip for s in self.procs]
         self.addresses = TcpAddresses(
             run_id=addresses.run_id,
             run_dir=addresses.run_dir,
             token=token,
-            plan_addrs=tuple(tcp(engine_ip, p) for p in engine_ports[:-1]),
-            outputs_addr=tcp(engine_ip, engine_ports[-1]),
-            # Stage 0 receives no activations, only the sampled tokens: one port per stage.
-            activation_addrs=("", *(tcp(node_ips[r], ports[r][0]) for r in range(1, self.pp_size))),
-            sampled_addr=tcp(node_ips[0], ports[0][0]),
+            plan_addrs=tuple(q.address for q in self.plan_queues),
+            outputs_addr=self.outputs.address,
+            # Stage 0 receives no activations; only stage 0 receives sampled tokens ("" when none pass).
+            activation_addrs=("", *(acts for acts, _ in inputs[1:])),
+            sampled_addr=inputs[0][1],
         )
         node_ids = [s.node_id for s in self.procs]
         self.stage_args = [
@@ -124,8 +132,6 @@ class RayStageGroup(StageGroup):
             )
             for rank, args in enumerate(stage_args)
         ]
-        self.plan_queues = [AsyncPushQueue(self.addresses.plan(r), bind=True, token=token) for r in range(self.pp_size)]
-        self.outputs = AsyncPullQueue(self.addresses.stage_outputs, bind=True, token=token)
         self._log.info(
             "ray_stages_placed",
             node_ids=[s.node_id for s in self.procs],
@@ -133,6 +139,7 @@ class RayStageGroup(StageGroup):
             plan_addrs=self.addresses.plan_addrs,
             outputs_addr=self.addresses.stage_outputs,
             activation_addrs=self.addresses.activation_addrs[1:],
+            sampled_addr=self.addresses.sampled_tokens,
             transports=[a.transport for a in self.stage_args[1:]],
             placement=parallel.placement,
             engine_ip=engine_ip,
