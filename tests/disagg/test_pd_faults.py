@@ -23,6 +23,7 @@ from tests.conftest import tiny_prompts
 from tests.disagg.conftest import until
 from tests.runtime.conftest import is_idle
 from tests.runtime.harness import LaunchedEngine, launched, tiny_sections
+from tests.transport.test_nixl_stopped_peer import stop
 
 pytest.importorskip("nixl_cu12")
 
@@ -79,7 +80,7 @@ async def test_a_stopped_producer_costs_only_the_requests_pulling_from_it(tmp_pa
             assert stats["num_held_for_transfer"] == 2
             pids = [stats["pid"], *stats["stage_pids"]]
             for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
+                stop(pid)
             try:
                 done = asyncio.Event()
                 arrivals: list[list[float]] = [[], []]
