@@ -7,7 +7,8 @@ default config, pp=2) and (b) the prefill/decode deployment launched from
 `--disagg` (default: configs/pd-1-1.toml, one stage each), once per
 `--handovers` mode (`disagg.handover`: "early", the decode engine gets each
 request with the prefill engine; "after_prefill", once the prefill is done),
-on the same cores. Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
+on the same cores (with `--pulls`, once per `kv_transfer.options.pull` value too,
+each also read against the first). Per run: TTFT, TPOT and ITL mean / p99 and output tok/s as the client
 sees them; for (b) also the handover (the decode engine's stats: from the
 prefill engine's first token to the decode stages holding the prompt's KV,
 that is the start of the request's first decode step) and the client's gap
@@ -50,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--request-rate", type=float, default=1.0, help="requests per second (Poisson)")
     ap.add_argument("--handovers", default="early,after_prefill", help="disagg.handover modes to run, comma-separated")
+    ap.add_argument(
+        "--pulls", default="", help="kv_transfer.options.pull values to run each handover mode with, comma-separated "
+        "(empty: the config's)",
+    )  # fmt: skip
     ap.add_argument("--repeat", type=int, default=2, help="interleaved repetitions (A B A B ...)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--result-json", help="write every figure here")
@@ -91,11 +96,15 @@ def main(argv=None) -> int:
     colocated.write_text(to_toml(run_sections(args.colocated, RunSpec("colocated", ()))))
     configs = {"colocated": colocated}
     for mode in args.handovers.split(","):
-        sections = tomllib.loads(Path(args.disagg).read_text())
-        sections.setdefault("server", {})["port"] = 0
-        sections.setdefault("disagg", {})["handover"] = mode
-        configs[f"disagg:{mode}"] = work / f"disagg-{mode}.toml"
-        configs[f"disagg:{mode}"].write_text(_disagg_toml(sections))
+        for pull in args.pulls.split(","):
+            sections = tomllib.loads(Path(args.disagg).read_text())
+            sections.setdefault("server", {})["port"] = 0
+            sections.setdefault("disagg", {})["handover"] = mode
+            name = f"disagg:{mode}" + (f":{pull}" if pull else "")
+            if pull:
+                sections.setdefault("kv_transfer", {}).setdefault("options", {})["pull"] = pull
+            configs[name] = work / f"{name.replace(':', '-')}.toml"
+            configs[name].write_text(_disagg_toml(sections))
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     for r in range(args.repeat):
         order = list(configs) if r % 2 == 0 else list(reversed(configs))
@@ -120,6 +129,11 @@ def main(argv=None) -> int:
     for name in configs:
         if name != "colocated":
             summary[name] = _disagg_summary(name, runs["colocated"], runs[name], nixl_s)
+    pulls = args.pulls.split(",")
+    for mode in args.handovers.split(",") if len(pulls) > 1 else []:
+        base = f"disagg:{mode}:{pulls[0]}"
+        for pull in pulls[1:]:
+            summary[f"disagg:{mode}:{pull}/{pulls[0]}"] = _pull_ratios(f"disagg:{mode}:{pull}", base, runs)
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(summary, indent=2, default=str))
     return 0
@@ -142,6 +156,21 @@ def _disagg_summary(name: str, colocated: list[dict], disagg: list[dict], nixl_s
     if valid:
         print(f"    handover p50 / raw NIXL = {statistics.median(valid) / nixl_s:.2f}x")
     return {"ratios": ratios, **figures}
+
+
+def _pull_ratios(name: str, base: str, runs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """One pull mode against another, per repetition (each pair measured in the same repetition)."""
+    print(f"\n{name} / {base} (median over repetitions, min - max):")
+    ratios = {}
+    pairs = list(zip(runs[base], runs[name]))
+    getters = {f: (lambda r, f=f: r["metrics"][f]) for f in _FIGURES}
+    getters |= {k: (lambda r, k=k: r["stats"].get(k)) for k in ("kv_handover_s_p50", "pd_second_token_s_p50")}
+    for figure, get in getters.items():
+        values = [get(n) / get(b) for b, n in pairs if get(b) and get(n) is not None]
+        ratios[figure] = values
+        if values:
+            print(f"  {figure:22s} {statistics.median(values):.2f}x ({min(values):.2f} - {max(values):.2f})")
+    return ratios
 
 
 def _ms(values) -> str:

@@ -17,8 +17,9 @@ for a send; loads and sends end only when every stage has reported them
 transfer exactly once, failures included (`TransferLedger`). A transfer past
 its deadline (`load_timeout_s` / `save_timeout_s` of the connector's
 context) is aborted: the next plan names it (`aborted_req_ids`), every stage
-stops it and reports it failed, a load's blocks are recomputed and a send's
-writes are not trusted. A connector that keeps answering "ask again later"
+stops it and reports it failed, a load's blocks are recomputed (or, with the
+connector's `load_failure_policy` "fail", its request fails, saying so) and
+a send's writes are not trusted. A connector that keeps answering "ask again later"
 for a request is not asked again past `load_timeout_s` (its prefix is
 computed), and never holds up the requests behind it. Once nothing is
 pending, `has_pending_transfers` is False and the engine stops polling.
@@ -69,6 +70,7 @@ class KVTransferScheduling:
         self._unsent_held: list[str] = []  # newly held, for the next plan
         self._unsent_aborted: list[str] = []  # past their deadline, for the next plan
         self._load_deadlines: dict[str, float] = {}
+        self._load_timed_out: set[str] = set()  # loads aborted at their deadline, until they end
         self._send_deadlines: dict[str, float] = {}
         # Their merged send report counts as failed: timed out, or they read a failed step's KV.
         self._untrusted_sends: set[str] = set()
@@ -309,7 +311,8 @@ class KVTransferScheduling:
             for request_id in [r for r, deadline in deadlines.items() if now >= deadline]:
                 del deadlines[request_id]
                 if kind == "load":
-                    self._invalid_block_ids.update(self._load_block_ids[request_id])  # recompute them all
+                    self._invalid_block_ids.update(self._load_block_ids[request_id])  # none of them came
+                    self._load_timed_out.add(request_id)
                 else:
                     self._untrusted_sends.add(request_id)
                 if request_id not in self._unsent_aborted:
@@ -343,10 +346,21 @@ class KVTransferScheduling:
         load_end = self._load_ends.pop(request_id)
         num_loaded = next((i for i, b in enumerate(load_block_ids) if b in self._invalid_block_ids), len(load_block_ids))
         self._invalid_block_ids.difference_update(load_block_ids)
+        is_timed_out = request_id in self._load_timed_out
+        self._load_timed_out.discard(request_id)
         if request.is_finished:  # aborted while loading: nobody writes its blocks any more
             self._release_blocks(request)
             return
         block_size = self._block_manager.block_size
+        if num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail":
+            timeout_s = self.connector.ctx.load_timeout_s
+            why = (f"KV connector did not load the KV of its prompt within load_timeout_s ({timeout_s} s)" if is_timed_out
+                   else f"KV connector failed to load {len(load_block_ids) - num_loaded} of the {len(load_block_ids)} "
+                        "blocks of its prompt")  # fmt: skip
+            self.log.warning("kv_load_failed", request_id=request_id, timed_out=is_timed_out, policy="fail")
+            self.num_failed_load_tokens += len(load_block_ids) * block_size
+            self._failed_requests.append((request_id, why))  # in no queue: the engine fails it
+            return
         # The last block may be partly filled (a load up to the prompt's end).
         num_loaded_tokens = min(num_loaded * block_size, load_end - request.num_computed_tokens)
         self.num_external_hit_tokens += num_loaded_tokens
@@ -395,6 +409,7 @@ class KVTransferScheduling:
 
     def _forget_transfers(self, request_id: str) -> None:
         self._parked.pop(request_id, None)
+        self._load_timed_out.discard(request_id)
         self._token_deadlines.pop(request_id, None)
         self._asked_again_since.pop(request_id, None)
         self._sync_loads.pop(request_id, None)

@@ -21,7 +21,11 @@ KV as soon as each prefill stage has computed it (the prefill engine is
 asked with `decode_engine_id`); the prefill's last delta's params follow
 (`RemotePrefillDone`) and bring the first token. A request that ends at the
 prefill aborts its decode request. `"after_prefill"` sends the decode
-request only once the prefill is done.
+request only once the prefill is done; one aborted (or failed) after the
+prefill handed out its params, before its decode phase began, still goes to
+the decode engine, with its abort at once, so that the prefill engine frees
+the prompt's blocks now (the decode engine tells it nobody pulls them), not
+after `pull_timeout_s`.
 Both engines know the request by one id the router makes
 (`<client id>.pd<router id>.<n>`), so two clients may use the same id; the
 router id is 64 random bits drawn when the router starts, so neither a second
@@ -79,6 +83,9 @@ class RoutedRequest:
     engine_request_id: str  # its id on both engines
     phase: str = "prefill"  # "prefill" | "decode"
     prefill_done_at: float = 0.0
+    # after_prefill: the prefill engine's params once it handed them out (it holds the prompt's
+    # blocks for them), until the decode phase starts.
+    handed_out: dict[str, Any] | None = None
     task: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -111,6 +118,7 @@ class PDRouter:
         self.is_draining = False
         self.router_id = secrets.token_hex(8)  # in every engine request id: unique across routers and restarts
         self._ids = itertools.count(1)
+        self._releases: set[asyncio.Task] = set()  # `_send_and_abort`s under way
         self._stop = asyncio.Event()
         self.log = get_logger(role="pd_router", router_id=self.router_id)
         for link in (prefill, decode):
@@ -214,6 +222,7 @@ class PDRouter:
             if kv_transfer_params is None or self.requests.get(req.key) is not req:
                 return  # over at its first token; or aborted or failed meanwhile
             req.phase = "decode"
+            req.handed_out = None  # the decode engine gets them now: it frees them on any path
             if not self.decode.is_alive:
                 raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
             self.counters.num_handovers += 1
@@ -223,6 +232,32 @@ class PDRouter:
         except Exception as e:  # a bug here fails this request, not the router
             self.log.exception("request_routing_failed", request_id=req.engine_request_id, error=repr(e))
             self._fail(req, repr(e), "internal")
+        finally:
+            if req.handed_out is not None:  # aborted (or failed) between the prefill and the decode
+                self._release_handed_out(req)
+
+    def _release_handed_out(self, req: RoutedRequest) -> None:
+        """The prefill engine holds the prompt's blocks for params nobody will decode with: the decode
+        engine gets the request and its abort at once, and tells the prefill engine's stages that
+        nobody pulls them, instead of the blocks staying held for `pull_timeout_s`. On a task of its
+        own: the request's task may be cancelled (the abort that brought us here)."""
+        params, req.handed_out = req.handed_out, None
+        if not self.decode.is_alive:
+            return  # the prefill engine's pull_timeout_s frees them
+        self.counters.num_released_after_prefill += 1
+        task = asyncio.get_running_loop().create_task(self._send_and_abort(req, params))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _send_and_abort(self, req: RoutedRequest, params: dict[str, Any]) -> None:
+        msg = req.msg
+        stream = self.decode.client.generate(msg.prompt, msg.sampling_params, req.engine_request_id, params)
+        first = asyncio.ensure_future(anext(stream))  # its first step sends the request, then awaits a reply
+        await asyncio.sleep(0)
+        first.cancel()  # the stream then sends the abort (or the request has ended: it was over anyway)
+        await asyncio.gather(first, return_exceptions=True)
+        await stream.aclose()
+        self.log.info("handed_out_kv_released", request_id=req.engine_request_id)
 
     async def _route_early(self, req: RoutedRequest) -> None:
         """Both engines at once: the decode engine awaits the prefill engine's request."""
@@ -279,6 +314,8 @@ class PDRouter:
                     req.prefill_done_at = time.monotonic()
                     self.counters.prefill_done(req.prefill_done_at - t0)
                     if delta.kv_transfer_params is not None and not is_alone:
+                        if then is None:  # after_prefill: nobody else knows of the blocks held for them
+                            req.handed_out = delta.kv_transfer_params
                         self.front.push_delta(req.peer, msg.request_id, handed_on(delta))
                         if then is not None:
                             await then(req, delta.kv_transfer_params)

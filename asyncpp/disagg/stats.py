@@ -21,6 +21,7 @@ class RouterCounters:
     num_finished: int = 0
     num_aborted: int = 0
     num_failed: int = 0
+    num_released_after_prefill: int = 0  # after_prefill: aborted with the prefill's params, released at once
     num_prefills_timed: int = 0
     prefill_s_sum: float = 0.0
     second_token_s: RecentSamples = field(default_factory=RecentSamples)
@@ -42,6 +43,7 @@ class RouterCounters:
             "pd_num_finished": self.num_finished,
             "pd_num_aborted": self.num_aborted,
             "pd_num_failed": self.num_failed,
+            "pd_num_released_after_prefill": self.num_released_after_prefill,
             "pd_prefill_s_mean": _mean(self.prefill_s_sum, self.num_prefills_timed),
             **self.second_token_s.summary("pd_second_token_s"),
         }

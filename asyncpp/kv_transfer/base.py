@@ -179,8 +179,9 @@ class KVConnectorScheduler(ABC):
         """(keep the blocks until every stage reports `finished_sending`, params for a remote engine)."""
         return False, None
 
-    # A load within a plan (offered with load_async False) that fails: "recompute" the requests that
-    # read its blocks from scratch, or "fail" them with an error.
+    # A load that fails (or passes load_timeout_s): "recompute" (within a plan, offered with load_async
+    # False: the requests that read its blocks start from scratch; an async one computes what did not
+    # come), or "fail" them with an error.
     load_failure_policy = "recompute"
 
     @property

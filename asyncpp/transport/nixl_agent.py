@@ -29,7 +29,11 @@ What NIXL 1.5.1 does here, found by experiment on a CPU-only host:
   returned (measured over tcp). So `release` waits (up to
   `release_timeout_s`) for a running read to end before freeing it, and
   raises `TimeoutError` if it does not, keeping the handle: the caller
-  must then not reuse the local blocks.
+  must then not reuse the local blocks; `release_ended` frees it once it
+  ended.
+* A peer that is stopped (SIGSTOP) still has host memory read by cma, but
+  the read stays RUNNING until it resumes (its notification is not
+  acknowledged), and so does one over tcp, which copies nothing meanwhile.
 * A remote whose agent is gone fails the next read (NIXL reports the
   disconnect when the transfer is posted or polled; within milliseconds
   when it goes mid-read); a remote that only deregistered its memory does
@@ -171,6 +175,7 @@ class NixlTransport:
         self._tensors: list[torch.Tensor] = []  # keep registered memory alive until close
         self._remotes: dict[str, bytes] = {}  # name -> the metadata it was added with
         self._handles: set[TransferHandle] = set()
+        self._abandoned: set[TransferHandle] = set()  # running when `release` gave up on them
         self._closed = False
         self._log.debug("nixl_agent_created", create_s=round(time.perf_counter() - t0, 4))
 
@@ -326,6 +331,7 @@ class NixlTransport:
         deadline = time.monotonic() + self._release_timeout_s
         while self.poll(handle) is TransferState.RUNNING:
             if time.monotonic() > deadline:
+                self._abandoned.add(handle)
                 raise TimeoutError(
                     f"a NIXL read from {handle.remote!r} still runs after {self._release_timeout_s} s;"
                     " its local memory may still be written"
@@ -333,11 +339,20 @@ class NixlTransport:
             time.sleep(_POLL_SLEEP_S)
         handle._released = True
         self._handles.discard(handle)
+        self._abandoned.discard(handle)
         if handle._req is not None:
             try:
                 self._agent.releaseXferReq(handle._req)
             except Exception as e:  # noqa: BLE001 - the transfer has ended; only NIXL's bookkeeping leaks
                 self._log.warning("nixl_release_failed", remote=handle.remote, error=repr(e))
+
+    def release_ended(self) -> int:
+        """Release the reads `release` gave up on that have ended since (a peer that was stopped
+        resumed); returns how many are still running. Never waits."""
+        for handle in list(self._abandoned):
+            if self.poll(handle) is not TransferState.RUNNING:
+                self.release(handle)
+        return len(self._abandoned)
 
     # ---- notifications ----------------------------------------------------------------------
     def send_notif(self, remote: str, msg: bytes) -> None:
@@ -373,6 +388,7 @@ class NixlTransport:
         self._regions.clear()
         self._remotes.clear()
         self._handles.clear()
+        self._abandoned.clear()
         self._agent = None  # the last reference: NIXL's destructor joins its thread, closes connections
         self._tensors.clear()
         self._forget_name()

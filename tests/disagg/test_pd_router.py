@@ -133,7 +133,9 @@ async def test_abort_while_prefilling_reaches_the_prefill_engine_and_no_decode_s
 
 
 async def test_an_abort_as_the_prefill_ends_never_starts_the_decode(pd: RouterSetup):
-    """The abort is taken while the prefill's final delta is on its way to the request's task."""
+    """The abort is taken while the prefill's final delta is on its way to the request's task: the
+    decode engine gets the request with its abort at once (so that it tells the prefill engine to
+    free the blocks held for the params), and the client gets nothing more."""
     real_generate = pd.router.prefill.client.generate
 
     async def generate_then_abort(*args, **kwargs):
@@ -146,8 +148,13 @@ async def test_an_abort_as_the_prefill_ends_never_starts_the_decode(pd: RouterSe
     pd.router.prefill.client.generate = generate_then_abort
     task = asyncio.create_task(collect(pd.client(), request_id="r"))
     await until(lambda: pd.router.counters.num_aborted, what="abort")
+    await until(lambda: pd.decode.aborted, what="abort at the decode engine")
+    [decode] = pd.decode.received
+    assert decode.kv_transfer_params == PREFILL_PARAMS and pd.decode.aborted == [decode.request_id]
     await asyncio.sleep(0.2)
-    assert pd.decode.received == [] and not task.done()
+    assert not task.done()  # no decode delta reached the client
+    stats = pd.router.counters.stats()
+    assert stats["pd_num_handovers"] == 0 and stats["pd_num_released_after_prefill"] == 1
     task.cancel()
 
 

@@ -17,9 +17,11 @@ Consumer (`kv_role = "consumer"`, the decode engine): a request whose
 as its first output (`remote_output_token_ids`; the client has it already)
 and is offered the prompt's blocks beyond its own prefix-cache hit, the last
 one partly filled: every stage pulls the blocks of its layers from every
-producer stage that holds them (`TransferTopology`), within the plan that
-computes that first token's KV and samples the next (or, with `pull =
-"async"`, waiting in `WAITING_FOR_REMOTE_KVS` first). A
+producer stage that holds them (`TransferTopology`), while the request waits
+in `WAITING_FOR_REMOTE_KVS`; it is scheduled once every stage has its blocks.
+No stage ever waits for a read: a hung producer costs only its own requests,
+whose pulls fail at `load_timeout_s` (the engine's load deadline) and fail
+them with an error (`load_failure_policy`). A
 request whose blocks it does not pull (its own cache had them, it was aborted
 first) still tells the producer, so that no block waits for its timeout.
 
@@ -75,12 +77,12 @@ class PDScheduler(KVConnectorScheduler):
             raise ConfigError("kv_transfer.connector = 'pd' moves KV through NIXL, which is not installed: "
                               "pip install 'asyncpp[pd]' (nixl-cu12)")  # fmt: skip
         self.role = ctx.kv_role
-        pull = ctx.extra.get("pull", "sync")
-        if pull not in ("sync", "async"):
-            raise ConfigError(f"kv_transfer.options.pull must be 'sync' or 'async', got {pull!r}")
-        # sync: a request's pull and the computing of its first token's KV share one plan (a
-        # failed pull fails the request); async: it waits for the pull, then is scheduled.
-        self.is_pull_async = pull == "async"
+        pull = ctx.extra.get("pull", "async")
+        if pull != "async":
+            # A pull within a plan made every stage wait for its read before the forward: one hung
+            # producer stalled every request of this engine for load_timeout_s.
+            raise ConfigError(f"kv_transfer.options.pull: pulls are always 'async' (a request waits for its pull "
+                              f"outside the step loop), got {pull!r}")  # fmt: skip
         self.engine_id = ctx.engine_id
         self._params_key = secrets.token_bytes(32)
         self._stages: dict[tuple[int, int], KVHandshakeMetadata] = {}
@@ -192,7 +194,7 @@ class PDScheduler(KVConnectorScheduler):
             num_tokens = request.num_prompt_tokens - num_computed_tokens
             return (num_tokens, True) if num_tokens > 0 else (0, False)
         num_tokens = prefill.num_tokens - num_computed_tokens  # the last block may be partly filled
-        return (num_tokens, self.is_pull_async) if num_tokens > 0 else (0, False)
+        return (num_tokens, True) if num_tokens > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", block_ids: list[int], num_external_tokens: int) -> None:
         prefill = self._remote_prefill(request)
@@ -206,7 +208,6 @@ class PDScheduler(KVConnectorScheduler):
         else:
             how = {
                 "remote_block_ids": prefill.remote_block_ids[first : first + num_blocks],
-                "is_sync": not self.is_pull_async,
                 "remote_ready_at": prefill.first_token_at,
             }
         self._unsent_transfers.append(

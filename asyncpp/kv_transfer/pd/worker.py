@@ -12,11 +12,14 @@ descriptor list of block runs, K and V of every layer, consecutive blocks
 merged. Each read carries a notification "request|consumer pp_rank|readers"
 that the producer stage gets once the read is over. A pull is reported in
 `finished_recving` once all its reads ended; a failed read makes all of the
-request's blocks invalid (recomputed). A pull that ended well reports its
-handover (`KVTransferStats.handover_s`): from the producer's first token
-(`BlockTransfer.remote_ready_at`) to the blocks being here, which for a pull
-within a plan is the start of the forward that uses them. A release (nothing to pull) sends the
-notifications alone.
+request's blocks invalid. The stage never waits for a read: `start_load_kv`
+posts them and `get_finished` polls them after each step, so a hung producer
+(a read whose completion never comes) delays no other request; the engine
+aborts its pull at `load_timeout_s`, and a read NIXL cannot stop then is
+abandoned at once (`_RELEASE_WAIT_S`) and freed once it ends. A pull that
+ended well reports its handover (`KVTransferStats.handover_s`): from the
+producer's first token (`BlockTransfer.remote_ready_at`) to the blocks being
+here. A release (nothing to pull) sends the notifications alone.
 
 Early handover: a pull bound `on_ready` reads as the producer stages send
 ready notices (`params.ReadyNotice`), each from `save_kv` right after a
@@ -50,6 +53,12 @@ from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 
 
+# How long the stage waits, when a pull is aborted or fails, for a read still running to end before
+# it abandons it (logged `kv_pull_not_stopped`, its blocks invalid): never the step loop's time. A
+# SIGSTOPped producer leaves reads running (their notification is never acknowledged) until SIGCONT.
+_RELEASE_WAIT_S = 0.005
+
+
 @dataclass
 class _Pull:
     transfer: BlockTransfer
@@ -59,9 +68,6 @@ class _Pull:
     awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not done yet
     next_block: dict[int, int] = field(default_factory=dict)  # on_ready: producer stage -> its next prompt block to read
     started_at: float = field(default_factory=time.perf_counter)
-    # A pull within a plan, once done (before its forward): when (time.time()), and how long it took.
-    loaded_at: float | None = None
-    load_s: float | None = None
 
 
 def notification(remote_request_id: str, pp_rank: int, num_readers: int) -> bytes:
@@ -113,7 +119,7 @@ class PDWorker(KVConnectorWorker):
         tensors = [t for layer in layers for t in kv_caches[layer]]
         if any(not t.is_contiguous() for t in tensors):
             raise ValueError("the pd connector needs contiguous KV caches")
-        self.transport = NixlTransport(f"{self.ctx.engine_id}-pp{self.pp_rank}")
+        self.transport = NixlTransport(f"{self.ctx.engine_id}-pp{self.pp_rank}", release_timeout_s=_RELEASE_WAIT_S)
         self.transport.register(tensors)
         first = tensors[0]
         self._block_nbytes = first[: self.ctx.block_size].nbytes
@@ -164,34 +170,19 @@ class PDWorker(KVConnectorWorker):
             self._add_remote(handshake)
         if self.role == "producer":
             self._held.update(metadata.held_req_ids)
+        if self.transport is not None:
+            self.transport.release_ended()  # abandoned reads that ended meanwhile (a producer resumed)
 
     def start_load_kv(self, step_id: int) -> None:
         if self.metadata.handover_at:  # these requests' first forward after an early handover starts now
             now = time.time()
             handover_s = {request_id: now - at for request_id, at in self.metadata.handover_at.items()}
             self._stats = self._stats + KVTransferStats(handover_s=handover_s)
-        for transfer in self.metadata.loads:
+        for transfer in self.metadata.loads:  # posted, never waited for: `get_finished` polls them
             if transfer.on_ready:
                 self._await_pull(transfer)
                 continue
             self._start_pull(transfer)
-        for transfer in self.metadata.loads:
-            if transfer.is_sync:
-                self._wait_pull(transfer.request_id)
-
-    def _wait_pull(self, request_id: str) -> None:
-        """A pull within this plan: its blocks are read before the forward (on CPU a NIXL read of
-        host memory is done when posted; elsewhere poll it, up to `load_timeout_s`)."""
-        pull = self._pulls.get(request_id)
-        deadline = time.monotonic() + self.ctx.load_timeout_s
-        while pull is not None and any(self.transport.poll(h) is TransferState.RUNNING for h in pull.handles):
-            if time.monotonic() > deadline:
-                self.log.warning("kv_pull_timed_out", request_id=request_id, timeout_s=self.ctx.load_timeout_s)
-                self._end_pull(request_id, failed=True)
-                return
-            time.sleep(50e-6)
-        if pull is not None:
-            pull.loaded_at, pull.load_s = time.time(), time.perf_counter() - pull.started_at
 
     def _start_pull(self, transfer: BlockTransfer) -> None:
         pull = _Pull(transfer)
@@ -388,11 +379,11 @@ class PDWorker(KVConnectorWorker):
                 self._notify(agent, notif)
         elif pull.transfer.block_ids:
             ready_at = pull.transfer.remote_ready_at
-            handover_s = {request_id: (pull.loaded_at or time.time()) - ready_at} if ready_at else {}
+            handover_s = {request_id: time.time() - ready_at} if ready_at else {}
             self._stats = self._stats + KVTransferStats(
                 num_blocks_loaded=len(pull.transfer.block_ids),
                 num_bytes_loaded=pull.nbytes,
-                load_time_s=pull.load_s if pull.load_s is not None else time.perf_counter() - pull.started_at,
+                load_time_s=time.perf_counter() - pull.started_at,
                 handover_s=handover_s,
             )
         self._finished_recving.add(request_id)

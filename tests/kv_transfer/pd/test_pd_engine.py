@@ -55,17 +55,14 @@ def test_disaggregated_greedy_output_equals_one_engine(tiny_hf_dir, prompts, exp
         producer.close()
 
 
-def test_async_pulls_give_the_same_output(tiny_hf_dir, prompts, expected):
-    """`options.pull = "async"`: the request waits for its pull, then is scheduled (the sync default
-    pulls within the plan that computes it)."""
-    producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 3, (2, 1, 1), kv_transfer={"options": {"pull": "async"}})
-    try:
-        assert [c.token_ids for c in serve_pd(producer, consumer, prompts, GREEDY)] == expected
-        assert consumer.stats()["kv_blocks_loaded"] > 0
-        assert_idle(producer, consumer)
-    finally:
-        consumer.close()
-        producer.close()
+def test_pulls_are_never_within_a_plan(tiny_hf_dir):
+    """A pull within the plan computing its request made every stage wait for the read before its
+    forward (a hung producer stalled the whole engine): `options.pull = "sync"` is refused."""
+    from asyncpp.config import ConfigError
+
+    kv = {"connector": "pd", "kv_role": "consumer", "engine_id": "decode", "options": {"pull": "sync"}}
+    with pytest.raises(ConfigError, match="pulls are always 'async'"):
+        Engine(tiny_config(tiny_hf_dir, kv_transfer=kv))
 
 
 def test_a_pull_from_a_gone_producer_fails_its_request_alone(tiny_hf_dir, prompts, expected):
