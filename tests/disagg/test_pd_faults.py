@@ -31,6 +31,7 @@ LOAD_TIMEOUT_S = 3.0
 PULL_TIMEOUT_S = 60.0  # far beyond every wait below: nothing here is freed by the producer's timeout
 PREFILL = {"max_tokens": 1, "temperature": 0.0}
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+ENGINE_SECRET = "test-pd-engine-secret"  # both engines', and what the test presents as their deployment
 
 
 @contextlib.contextmanager
@@ -38,7 +39,7 @@ def pd_engines(tmp_path, model_dir) -> Iterator[tuple[LaunchedEngine, LaunchedEn
     def sections(role: str, engine_id: str) -> dict:
         kv = {"connector": "pd", "kv_role": role, "engine_id": engine_id,
               "load_timeout_s": LOAD_TIMEOUT_S, "pull_timeout_s": PULL_TIMEOUT_S}  # fmt: skip
-        return tiny_sections(model_dir, 1, kv_transfer=kv)
+        return tiny_sections(model_dir, 1, kv_transfer=kv, server={"engine_secret": ENGINE_SECRET})
 
     (tmp_path / "prefill").mkdir()
     (tmp_path / "decode").mkdir()
@@ -68,7 +69,8 @@ async def chain(client: AsyncClient, prompts, until_done: asyncio.Event, arrival
 async def test_a_stopped_producer_costs_only_the_requests_pulling_from_it(tmp_path, tiny_hf_dir):
     prompts = tiny_prompts(300, 6)
     with pd_engines(tmp_path, tiny_hf_dir) as (prefill, decode):
-        producer, consumer = AsyncClient(prefill.address), AsyncClient(decode.address)
+        producer = AsyncClient(prefill.address, secret=ENGINE_SECRET, role="engine")
+        consumer = AsyncClient(decode.address, secret=ENGINE_SECRET, role="engine")
         try:
             await consumer.add_remote_engine(await producer.kv_handshake())
             # One pull from the producer while it runs (its connection is up), then params for two
@@ -131,7 +133,8 @@ async def test_an_abort_after_the_prefill_handed_out_frees_its_blocks_at_once(tm
     prompt = tiny_prompts(300, 1)[0]
     with pd_engines(tmp_path, tiny_hf_dir) as (prefill, decode):
         queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
-        router = PDRouter(queue, EngineLink("prefill", prefill.address), EngineLink("decode", decode.address), "after_prefill")
+        links = [EngineLink(role, engine.address, engine_secret=ENGINE_SECRET) for role, engine in (("prefill", prefill), ("decode", decode))]
+        router = PDRouter(queue, *links, "after_prefill")
         await router.connect(30.0)
         serving = asyncio.create_task(router.serve())
         client = AsyncClient(router.address)
