@@ -20,7 +20,14 @@ from zmq.utils.monitor import parse_monitor_message
 
 from asyncpp.wire.client_auth import CLIENT, ClientAccess
 from asyncpp.wire.codec import WireError, decode, encode
-from asyncpp.wire.token_auth import REFUSAL_EVENTS, forget_plain, refusal_reason, require_plain, secure_socket
+from asyncpp.wire.token_auth import (
+    REFUSAL_EVENTS,
+    forget_plain,
+    monitor_address,
+    refusal_reason,
+    require_plain,
+    secure_socket,
+)
 from asyncpp.wire.loop_socket import LoopSocket
 
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
@@ -202,7 +209,7 @@ class DealerQueue:
         sock.plain_username = role.encode()
         sock.plain_password = (secret or "none").encode()  # PLAIN takes no empty password
         # Before connecting: a refusal of our credentials is seen on the monitor, never as a frame.
-        self._monitor = LoopSocket(sock.get_monitor_socket(REFUSAL_EVENTS))
+        self._monitor = LoopSocket(sock.get_monitor_socket(REFUSAL_EVENTS, monitor_address()))
         self._sock = _configured(sock, address, bind=False)
         self._io = LoopSocket(self._sock)
         self.max_frame_bytes = min(max_frame_bytes or _HARD_MAX_FRAME_BYTES, _HARD_MAX_FRAME_BYTES)

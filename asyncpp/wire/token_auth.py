@@ -19,6 +19,7 @@ that peer sends, which is how the port knows each peer's role.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ REFUSAL_EVENTS = (
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 _lock = threading.Lock()
+_monitors = itertools.count()
 _auth: "_Authenticator | None" = None
 _watcher: "_RefusalWatcher | None" = None
 
@@ -56,6 +58,13 @@ def secure_socket(sock: zmq.Socket, token: str, bind: bool, address: str) -> Non
     sock.plain_server = True
     sock.zap_domain = DOMAIN
     _watcher_for(sock.context).watch(sock, address)
+
+
+def monitor_address() -> str:
+    """A monitor endpoint of its own: pyzmq's default is named after the socket's file descriptor,
+    which a later socket reuses while the old monitor may still be connected (its events then never
+    reach the new one's reader)."""
+    return f"inproc://asyncpp-monitor-{next(_monitors)}"
 
 
 def refusal_reason(event: int) -> str:
@@ -134,7 +143,7 @@ class _RefusalWatcher:
         threading.Thread(target=self._run, name="asyncpp-auth-watch", daemon=True).start()
 
     def watch(self, sock: zmq.Socket, address: str) -> None:
-        monitor = sock.get_monitor_socket(REFUSAL_EVENTS)
+        monitor = sock.get_monitor_socket(REFUSAL_EVENTS, monitor_address())
         with self._wake_lock:
             self._pending.append((monitor, address))
             self._wake_out.send(b"")
