@@ -17,11 +17,12 @@ import pytest
 
 from asyncpp import launch
 from asyncpp.bench.runs import to_toml
-from asyncpp.client import AsyncClient
+from asyncpp.client import AsyncClient, ClientRefusedError
 from asyncpp.config import ConfigError
 from asyncpp.engine.engine import Engine
 from asyncpp.errors import EngineDeadError
 from asyncpp.kernels import isa
+from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.kv_transfer.registry import connector_classes
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
@@ -106,6 +107,37 @@ async def test_deployment_serves_like_one_engine_then_survives_a_dead_decode_eng
         pd.proc.send_signal(signal.SIGTERM)
         assert pd.wait(timeout_s=30) == 1  # an engine died during the run
     wait_until(lambda: not any(pid_alive(p) for p in decode_pids + prefill_pids), 10, "every engine process gone")
+
+
+async def test_a_deployment_with_a_client_secret_serves_its_own_clients_and_no_one_else(tmp_path, tiny_hf_dir, prompts):
+    """The router and the HTTP front end the launcher starts present the secret and serve; a client
+    without it is refused; one with it, straight at an engine, is served but never gets a KV handshake
+    nor adds an engine (that needs the engine secret, which the launcher gave only to its own)."""
+    http_port, secret = free_port(), "test-client-secret"
+    server = {"http_port": http_port, "served_model_name": "tiny", "client_secret": secret}
+    with launched(tmp_path, pd_sections(tiny_hf_dir, STUB, server=server)) as pd:
+        client, stranger = AsyncClient(pd.address, secret=secret), AsyncClient(pd.address)
+        direct: list[AsyncClient] = []
+        try:
+            assert len([t async for d in client.generate(prompts[0], GREEDY) for t in d.token_ids]) == 16
+            with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
+                await stranger.health(timeout_s=30)
+            engines = (await client.stats())["pd_engines"]
+            for role in ("prefill", "decode"):
+                direct.append(AsyncClient(engines[role]["address"], secret=secret))
+                assert await direct[-1].health()
+                with pytest.raises(RuntimeError, match="KVHandshakeRequest needs the engine role"):
+                    await direct[-1].kv_handshake(timeout_s=30)
+                with pytest.raises(RuntimeError, match="AddRemoteEngine needs the engine role"):
+                    await direct[-1].add_remote_engine(EngineHandshake("evil", 1), timeout_s=30)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
+                body = {"model": "tiny", "prompt": prompts[1], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 16
+            # Still serving after all that: the refusals cost nobody else anything.
+            assert len([t async for d in client.generate(prompts[2], GREEDY) for t in d.token_ids]) == 16
+        finally:
+            for c in (client, stranger, *direct):
+                c.close()
 
 
 def test_a_bad_override_exits_2_naming_its_engine(tmp_path, tiny_hf_dir, capsys):
