@@ -149,6 +149,8 @@ class EngineCore:
             self.output_processor.add_request(request)
         except ValueError as e:
             raise InvalidRequestError("kv_transfer_params", str(e)) from e
+        if kv_transfer_params is not None:
+            self.kv_connector.claim_kv_transfer_params(kv_transfer_params)  # used once (pd)
         self.scheduler.add_request(request)
         self.log.info("request_received", request_id=request_id, num_prompt_tokens=len(prompt_token_ids))
         return request_id

@@ -150,6 +150,10 @@ class KVConnectorScheduler(ABC):
         saying what is wrong; the request is then refused and nothing else changes."""
         raise ValueError(f"KV connector {self.ctx.name!r} takes no kv_transfer_params")
 
+    def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        """Validated `params` now belong to a queued request (called once it can no longer be refused):
+        a connector whose params may be used once remembers them here."""
+
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
         """Output tokens a remote engine generated for the request (valid `params`) and already streamed
         to its client: the request starts with them, and its deltas begin after them."""

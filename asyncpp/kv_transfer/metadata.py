@@ -45,6 +45,9 @@ class BlockTransfer:
     remote_first_block: int = 0
     # Producer side of it (a save): the prompt's tokens computed once this step's forward is done.
     num_ready_tokens: int = 0
+    # The nonce of the signed params handed out for the remote request: a pull's notifications name
+    # it, so that the producer counts the readers of that one handout (a save: the params to come).
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,15 @@ class KVConnectorMetadata:
     # Requests this plan computes for the first time after a remote prefill whose KV was loaded
     # before: when their first token was sampled there (for the stages' `handover_s`).
     handover_at: dict[str, float] = field(default_factory=dict)
+    # Prefill/decode producer: request -> the nonce of the params handed out for it (its blocks are
+    # released once the readers of that handout, and no other, are done).
+    send_nonces: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids
-            or self.remote_engines or self.handover_at
+            or self.remote_engines or self.handover_at or self.send_nonces
         )  # fmt: skip
 
 

@@ -109,6 +109,10 @@ class MultiScheduler(KVConnectorScheduler):
                 errors.append(e)
         raise errors[0]
 
+    def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        for child in self.children:  # each claims only its own params
+            child.claim_kv_transfer_params(params)
+
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
         """The first child's that names any (the one that took the params)."""
         return next((ids for child in self.children if (ids := child.remote_output_token_ids(params))), [])

@@ -9,8 +9,8 @@ Consumer: for each pull bound to the plan, the stage reads, from every
 producer stage holding some of its layers (`TransferTopology.sources_for`),
 those layers' blocks in ONE NIXL read per (request, producer stage): a
 descriptor list of block runs, K and V of every layer, consecutive blocks
-merged. Each read carries a notification "request|consumer pp_rank|readers"
-that the producer stage gets once the read is over. A pull is reported in
+merged. Each read carries a notification "request|nonce|consumer pp_rank|readers"
+(the nonce of the params it reads under) that the producer stage gets once the read is over. A pull is reported in
 `finished_recving` once all its reads ended; a failed read makes all of the
 request's blocks invalid. The stage never waits for a read: `start_load_kv`
 posts them and `get_finished` polls them after each step, so a hung producer
@@ -32,8 +32,11 @@ producer is told nobody reads (as for a pull that ended before its notice came).
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
 once as many consumer stages as read this stage's layers have notified it
+under the nonce of its handout (`send_nonces`; "" from a stage that read
+nothing and never learned it: an early pull that ended before any notice)
 (the count travels in the notification, so producers need not know the
-consumer's layout). Notifications may arrive before the hold does; ones for
+consumer's layout); notifications under another nonce (replayed params of
+a reused request id) never count. Notifications may arrive before the hold does; ones for
 requests never held are dropped after `pull_timeout_s`.
 """
 
@@ -70,14 +73,14 @@ class _Pull:
     started_at: float = field(default_factory=time.perf_counter)
 
 
-def notification(remote_request_id: str, pp_rank: int, num_readers: int) -> bytes:
-    return f"{remote_request_id}|{pp_rank}|{num_readers}".encode()
+def notification(remote_request_id: str, nonce: str, pp_rank: int, num_readers: int) -> bytes:
+    return f"{remote_request_id}|{nonce}|{pp_rank}|{num_readers}".encode()
 
 
-def parse_notification(msg: bytes) -> tuple[str, int, int] | None:
+def parse_notification(msg: bytes) -> tuple[str, str, int, int] | None:
     try:
-        request_id, pp_rank, num_readers = msg.decode().rsplit("|", 2)
-        return request_id, int(pp_rank), int(num_readers)
+        request_id, nonce, pp_rank, num_readers = msg.decode().rsplit("|", 3)
+        return request_id, nonce, int(pp_rank), int(num_readers)
     except ValueError:
         return None
 
@@ -98,8 +101,10 @@ class PDWorker(KVConnectorWorker):
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
         self._held: set[str] = set()  # producer: held by the engine, not reported yet
-        self._readers: dict[str, dict[int, int]] = {}  # producer: request -> consumer pp_rank -> readers
-        self._first_notified_at: dict[str, float] = {}
+        self._send_nonces: dict[str, str] = {}  # producer: request -> the nonce of its handout
+        # Producer: (request, nonce) -> consumer pp_rank -> readers; when the first notification came.
+        self._readers: dict[tuple[str, str], dict[int, int]] = {}
+        self._first_notified_at: dict[tuple[str, str], float] = {}
         # Consumer, early handover: remote request -> the local request whose pull awaits notices;
         # notices no pull awaits yet (remote request -> them, and when the first came); remote
         # requests whose pull ended (or was a release) before every notice came (until pull_timeout_s).
@@ -107,7 +112,7 @@ class PDWorker(KVConnectorWorker):
         self._early_notices: dict[str, list[ReadyNotice]] = {}
         self._early_since: dict[str, float] = {}
         self._dropped: dict[str, float] = {}
-        self._noticed: dict[str, str] = {}  # producer: request -> consumer engine told of some of its chunks
+        self._noticed: dict[str, tuple[str, str]] = {}  # producer: request -> (consumer engine told of some of its chunks, nonce)
         self._stats = KVTransferStats()
         self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
 
@@ -170,6 +175,7 @@ class PDWorker(KVConnectorWorker):
             self._add_remote(handshake)
         if self.role == "producer":
             self._held.update(metadata.held_req_ids)
+            self._send_nonces.update(metadata.send_nonces)
         if self.transport is not None:
             self.transport.release_ended()  # abandoned reads that ended meanwhile (a producer resumed)
 
@@ -201,13 +207,13 @@ class PDWorker(KVConnectorWorker):
         """What tells that producer stage this stage is done with the request (sent again if the pull
         fails, so that it never waits for its timeout)."""
         engine_id = pull.transfer.remote_engine_id
-        notif = self._done_message(engine_id, remote_rank, pull.transfer.remote_request_id)
+        notif = self._done_message(engine_id, remote_rank, pull.transfer.remote_request_id, pull.transfer.nonce)
         pull.notifs.append((self._agents[(engine_id, remote_rank)], notif))
         return notif
 
-    def _done_message(self, engine_id: str, remote_rank: int, remote_request_id: str) -> bytes:
+    def _done_message(self, engine_id: str, remote_rank: int, remote_request_id: str, nonce: str) -> bytes:
         info = self.topology.get_engine_info(engine_id, remote_rank)
-        return notification(remote_request_id, self.pp_rank, self._readers_of(info))
+        return notification(remote_request_id, nonce, self.pp_rank, self._readers_of(info))
 
     def _read(
         self, pull: _Pull, remote_rank: int, layers: tuple[int, int], block_ids: list[int], remote_block_ids: list[int],
@@ -284,7 +290,9 @@ class PDWorker(KVConnectorWorker):
             start = pull.next_block[rank]
             if end > start or notice.is_complete:
                 sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
-                notif = self._done_message(notice.engine_id, rank, notice.request_id)
+                notif = self._done_message(notice.engine_id, rank, notice.request_id, notice.nonce)
+                agent = self._agents[(notice.engine_id, rank)]  # a failed pull tells this handout's readers
+                pull.notifs = [(a, n) if a != agent else (a, notif) for a, n in pull.notifs]
                 self._read(
                     pull, rank, sources[rank], transfer.block_ids[start - first : end - first],
                     notice.block_ids[start:end], notif if notice.is_complete else b"",
@@ -300,7 +308,7 @@ class PDWorker(KVConnectorWorker):
         """Tell the producer stage that this stage will not read its blocks for that request."""
         agent = self._agents.get((notice.engine_id, notice.pp_rank))
         if agent is not None:
-            self._notify(agent, self._done_message(notice.engine_id, notice.pp_rank, notice.request_id))
+            self._notify(agent, self._done_message(notice.engine_id, notice.pp_rank, notice.request_id, notice.nonce))
 
     def _expire_early_notices(self, now: float) -> None:
         for remote_request_id, since in list(self._early_since.items()):
@@ -322,20 +330,22 @@ class PDWorker(KVConnectorWorker):
             torch.cuda.current_stream().synchronize()  # the forward's writes are done before anyone reads
         for save in self.metadata.saves:
             notice = ReadyNotice(
-                self.ctx.engine_id, save.request_id, self.pp_rank, save.num_tokens, save.num_ready_tokens, save.block_ids
+                self.ctx.engine_id, save.request_id, save.nonce, self.pp_rank, save.num_tokens, save.num_ready_tokens,
+                save.block_ids,
             )  # fmt: skip
             self._send_notice(save.remote_engine_id, notice)
             if notice.is_complete:
                 self._noticed.pop(save.request_id, None)
             else:
-                self._noticed[save.request_id] = save.remote_engine_id
+                self._noticed[save.request_id] = (save.remote_engine_id, save.nonce)
 
     def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
         """Producer: chunks told to consumers are void (their blocks are freed): they come again."""
         for request_id in preempted_req_ids:
-            engine_id = self._noticed.pop(request_id, None)
-            if engine_id is not None:
-                self._send_notice(engine_id, ReadyNotice(self.ctx.engine_id, request_id, self.pp_rank, 0, -1, []))
+            told = self._noticed.pop(request_id, None)
+            if told is not None:
+                engine_id, nonce = told
+                self._send_notice(engine_id, ReadyNotice(self.ctx.engine_id, request_id, nonce, self.pp_rank, 0, -1, []))
 
     def _send_notice(self, engine_id: str, notice: ReadyNotice) -> None:
         try:
@@ -410,25 +420,38 @@ class PDWorker(KVConnectorWorker):
             if parsed is None or self.role != "producer":
                 self.log.warning("kv_bad_notification", message=msg[:100])
                 continue
-            request_id, pp_rank, num_readers = parsed
-            self._readers.setdefault(request_id, {})[pp_rank] = num_readers
-            self._first_notified_at.setdefault(request_id, now)
+            request_id, nonce, pp_rank, num_readers = parsed
+            self._readers.setdefault((request_id, nonce), {})[pp_rank] = num_readers
+            self._first_notified_at.setdefault((request_id, nonce), now)
         if self.role != "producer":
             self._expire_early_notices(now)
             return frozenset()
-        done = []
-        for request_id, readers in self._readers.items():
-            if request_id in self._held and len(readers) >= max(readers.values()):
-                done.append(request_id)
-        for request_id, at in self._first_notified_at.items():
-            if request_id not in self._held and now - at > self.ctx.pull_timeout_s:
-                done.append(request_id)  # never held here (finished elsewhere, or forged): drop it
-        for request_id in done:
-            self._readers.pop(request_id, None)
-            self._first_notified_at.pop(request_id, None)
-        sending = frozenset(r for r in done if r in self._held)
-        self._held -= sending
-        return sending
+        sending = []
+        for request_id in self._held:
+            keys = [(request_id, self._send_nonces.get(request_id)), (request_id, "")]
+            readers = {rank: n for key in keys for rank, n in self._readers.get(key, {}).items()}
+            if readers and len(readers) >= max(readers.values()):
+                sending.append(request_id)
+                for key in keys:
+                    self._readers.pop(key, None)
+                    self._first_notified_at.pop(key, None)
+        for key, at in list(self._first_notified_at.items()):
+            if not self._is_held(key) and now - at > self.ctx.pull_timeout_s:
+                # Never held here (finished elsewhere, forged), or readers of another handout of that
+                # request id (replayed params): they never count for this one. Drop them.
+                self.log.warning("kv_notification_of_no_handout", request_id=key[0], nonce=key[1])
+                self._readers.pop(key, None)
+                del self._first_notified_at[key]
+        self._held.difference_update(sending)
+        for request_id in sending:
+            self._send_nonces.pop(request_id, None)
+        return frozenset(sending)
+
+    def _is_held(self, key: tuple[str, str]) -> bool:
+        """The engine holds this request's blocks for the handout of this nonce ("": a consumer stage
+        that read nothing and never learned the nonce, releasing whatever handout it was given)."""
+        request_id, nonce = key
+        return request_id in self._held and nonce in ("", self._send_nonces.get(request_id))
 
     def abort_transfers(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -437,8 +460,9 @@ class PDWorker(KVConnectorWorker):
                 self._finished_recving.discard(request_id)  # the wrapper reports it
             self._held.discard(request_id)
             self._noticed.pop(request_id, None)
-            self._readers.pop(request_id, None)
-            self._first_notified_at.pop(request_id, None)
+            for key in ((request_id, self._send_nonces.pop(request_id, None)), (request_id, "")):
+                self._readers.pop(key, None)
+                self._first_notified_at.pop(key, None)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         invalid, self._invalid_block_ids = frozenset(self._invalid_block_ids), set()

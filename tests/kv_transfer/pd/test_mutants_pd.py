@@ -64,6 +64,6 @@ def test_a_read_whose_handle_cannot_be_released_fails_its_request_alone(tiny_hf_
 
 @pytest.mark.parametrize("block_ids", [["3"], [1.0], [True]])
 def test_block_ids_that_are_not_ints_are_refused(block_ids):
-    params = RemotePrefill("prefill", "r", [3], 16, "0" * 64, 5, 0.0).signed(b"key")
+    params = RemotePrefill("prefill", "r", [3], 16, "0" * 64, 5, 0.0, "", 1.0, "ab").signed(b"key")
     with pytest.raises(TypeError, match="remote_block_ids"):
         RemotePrefill.parse({**params, "remote_block_ids": block_ids})
