@@ -99,6 +99,11 @@ class KVTransferScheduling:
         return len(self._held)
 
     @property
+    def num_quarantined_blocks(self) -> int:
+        """Blocks kept out of the free pool: a read into them could not be stopped (yet)."""
+        return self._block_manager.num_quarantined_blocks
+
+    @property
     def num_partly_reported_transfers(self) -> int:
         """Transfers some stages reported and others not yet."""
         return self._aggregator.num_pending() if self._aggregator is not None else 0
@@ -326,6 +331,15 @@ class KVTransferScheduling:
                 )  # fmt: skip
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        # First: a stage reports a read it could not stop no later than the load it ends, so its
+        # blocks are quarantined before that load's request frees them or computes into them.
+        if output.quarantined_block_ids:
+            self._block_manager.quarantine(output.quarantined_block_ids)
+            self.log.error("kv_blocks_quarantined", block_ids=sorted(set(output.quarantined_block_ids)))
+        if output.released_block_ids:
+            if unknown := self._block_manager.release_quarantine(output.released_block_ids):
+                self.log.warning("kv_release_of_unquarantined_blocks", block_ids=unknown)
+            self.log.info("kv_blocks_released_from_quarantine", block_ids=sorted(set(output.released_block_ids)))
         self._invalid_block_ids |= output.invalid_block_ids
         self.connector.update_connector_output(output)
         for request_id in sorted(output.finished_recving):
@@ -348,8 +362,14 @@ class KVTransferScheduling:
         self._invalid_block_ids.difference_update(load_block_ids)
         is_timed_out = request_id in self._load_timed_out
         self._load_timed_out.discard(request_id)
-        if request.is_finished:  # aborted while loading: nobody writes its blocks any more
+        if request.is_finished:  # aborted while loading: its blocks go (quarantined ones stay out)
             self._release_blocks(request)
+            return
+        if any(self._block_manager.is_quarantined(b) for b in load_block_ids):
+            # A read into them may still write: never compute into them. It fails (the engine frees
+            # its blocks; the quarantined ones stay out of the free pool).
+            self.num_failed_load_tokens += len(load_block_ids) * self._block_manager.block_size
+            self._failed_requests.append((request_id, "its KV load could not be stopped; its blocks are quarantined"))
             return
         block_size = self._block_manager.block_size
         if num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail":

@@ -253,6 +253,8 @@ class EngineCore:
             "kv_save_time_s": t.save_time_s,
             "num_held_for_transfer": self.scheduler.num_held_for_transfer,
             "num_timed_out_transfers": self.scheduler.num_timed_out_transfers,
+            # Blocks a read the transport could not stop may still write: out of the free pool until it ends.
+            "kv_num_quarantined_blocks": self.scheduler.num_quarantined_blocks,
             "kv_num_handovers": self.kv_handover_s.count,
             **self.kv_handover_s.summary("kv_handover_s"),
             **self.kv_connector.stats(),

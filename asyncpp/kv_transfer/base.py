@@ -283,6 +283,11 @@ class KVConnectorWorker(ABC):
         """Blocks whose load failed since the last call (their tokens must be recomputed)."""
         return frozenset()
 
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        """(blocks quarantined, blocks released) since the last call: a read into a block that the
+        transport could not stop keeps it out of the free pool until the transport confirms it ended."""
+        return [], []
+
     def get_stats(self) -> KVTransferStats:
         """Counters since the last call."""
         return KVTransferStats()
@@ -297,6 +302,8 @@ class KVConnectorWorker(ABC):
 
 def collect_output(worker: KVConnectorWorker, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
     sending, recving = worker.get_finished(finished_req_ids)
+    quarantined, released = worker.get_quarantined_blocks()
     return KVConnectorOutput(
-        sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats(), worker.get_failed_sending()
-    )
+        sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats(), worker.get_failed_sending(),
+        quarantined, released,
+    )  # fmt: skip

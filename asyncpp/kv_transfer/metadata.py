@@ -10,7 +10,8 @@ metadata, so one typed message serves every connector.
 `KVConnectorOutput` is what one stage reports after one step: the requests
 whose transfers finished on that stage (a request is finished only when every
 stage has reported it; see `kv_transfer.aggregator`), the blocks that failed
-to load, and transfer counters.
+to load, blocks a read it could not stop may still write (quarantined until
+it reports them released), and transfer counters.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ class KVConnectorOutput:
     # Of `finished_sending`: requests whose sends (saves) failed, were skipped or timed out on
     # this stage. Nothing they wrote may be trusted (the offload index drops their slots).
     failed_sending: frozenset[str] = frozenset()
+    # Blocks a read into this stage's cache may still write (the transport could not stop it): they
+    # must not be reused until the same stage names them in `released_block_ids`. Counted: a block
+    # named twice is released twice.
+    quarantined_block_ids: list[int] = field(default_factory=list)
+    released_block_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -139,4 +145,6 @@ class KVConnectorOutput:
             and not self.finished_recving
             and not self.invalid_block_ids
             and self.stats.is_empty
+            and not self.quarantined_block_ids
+            and not self.released_block_ids
         )

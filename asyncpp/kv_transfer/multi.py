@@ -233,6 +233,14 @@ class MultiWorker(KVConnectorWorker):
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         return frozenset().union(*(child.get_block_ids_with_load_errors() for child in self.children))
 
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        quarantined, released = [], []
+        for child in self.children:
+            q, r = child.get_quarantined_blocks()
+            quarantined += q
+            released += r
+        return quarantined, released
+
     def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
         """The one child's that publishes a transfer endpoint (a stage has one)."""
         published = [md for child in self.children if (md := child.get_handshake_metadata()) is not None]

@@ -9,8 +9,8 @@ Consumer: for each pull bound to the plan, the stage reads, from every
 producer stage holding some of its layers (`TransferTopology.sources_for`),
 those layers' blocks in ONE NIXL read per (request, producer stage): a
 descriptor list of block runs, K and V of every layer, consecutive blocks
-merged. Each read carries a notification "request|nonce|consumer pp_rank|readers"
-(the nonce of the params it reads under) that the producer stage gets once the read is over. A pull is reported in
+merged. Each read carries a notification (`readers.notification`, naming the
+nonce of the params it reads under) that the producer stage gets once the read is over. A pull is reported in
 `finished_recving` once all its reads ended; a failed read makes all of the
 request's blocks invalid. The stage never waits for a read: `start_load_kv`
 posts them and `get_finished` polls them after each step, so a hung producer
@@ -26,18 +26,21 @@ ready notices (`params.ReadyNotice`), each from `save_kv` right after a
 forward that computed a chunk of the prompt in its layers (on CUDA once that
 forward is done): every notice starts a read of the blocks it completed, and
 the one for the whole prompt carries the notification. A void notice (the
-producer preempted the request) makes every chunk be read again. Notices may
+producer preempted the request) makes every chunk be read again, once the
+reads from that producer stage so far have ended (waited for: they would
+race the new ones on the same local blocks).
+
+A read NIXL cannot stop (`release` raises `TimeoutError`: it may still write)
+fails its pull, and its local blocks are quarantined
+(`get_quarantined_blocks`): the engine keeps them out of its free pool, and
+every step tries again, without waiting, until the read has ended; then they
+are reported released. Notices may
 arrive before the pull is bound: they wait up to `pull_timeout_s`, then the
 producer is told nobody reads (as for a pull that ended before its notice came).
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
-once as many consumer stages as read this stage's layers have notified it
-under the nonce of its handout (`send_nonces`; "" from a stage that read
-nothing and never learned it: an early pull that ended before any notice)
-(the count travels in the notification, so producers need not know the
-consumer's layout); notifications under another nonce (replayed params of
-a reused request id) never count. Notifications may arrive before the hold does; ones for
-requests never held are dropped after `pull_timeout_s`.
+once every consumer stage that reads this stage's layers has notified it
+under the nonce of its handout (`send_nonces`; see `readers`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, 
 from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
 from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
 from asyncpp.kv_transfer.pd.params import ReadyNotice
+from asyncpp.kv_transfer.pd.quarantine import Quarantine
+from asyncpp.kv_transfer.pd.readers import HandoutReaders, notification, parse_notification
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 
@@ -70,19 +75,8 @@ class _Pull:
     nbytes: int = 0
     awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not done yet
     next_block: dict[int, int] = field(default_factory=dict)  # on_ready: producer stage -> its next prompt block to read
+    rank_handles: dict[int, list] = field(default_factory=dict)  # producer stage -> its reads (of `handles`)
     started_at: float = field(default_factory=time.perf_counter)
-
-
-def notification(remote_request_id: str, nonce: str, pp_rank: int, num_readers: int) -> bytes:
-    return f"{remote_request_id}|{nonce}|{pp_rank}|{num_readers}".encode()
-
-
-def parse_notification(msg: bytes) -> tuple[str, str, int, int] | None:
-    try:
-        request_id, nonce, pp_rank, num_readers = msg.decode().rsplit("|", 3)
-        return request_id, nonce, int(pp_rank), int(num_readers)
-    except ValueError:
-        return None
 
 
 class PDWorker(KVConnectorWorker):
@@ -100,11 +94,8 @@ class PDWorker(KVConnectorWorker):
         self._pulls: dict[str, _Pull] = {}
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self._held: set[str] = set()  # producer: held by the engine, not reported yet
-        self._send_nonces: dict[str, str] = {}  # producer: request -> the nonce of its handout
-        # Producer: (request, nonce) -> consumer pp_rank -> readers; when the first notification came.
-        self._readers: dict[tuple[str, str], dict[int, int]] = {}
-        self._first_notified_at: dict[tuple[str, str], float] = {}
+        self._quarantine = Quarantine(pp_rank)  # reads NIXL could not stop, and their blocks
+        self._handouts = HandoutReaders(ctx.pull_timeout_s, pp_rank)  # producer: held requests' readers
         # Consumer, early handover: remote request -> the local request whose pull awaits notices;
         # notices no pull awaits yet (remote request -> them, and when the first came); remote
         # requests whose pull ended (or was a release) before every notice came (until pull_timeout_s).
@@ -174,8 +165,7 @@ class PDWorker(KVConnectorWorker):
         for handshake in metadata.remote_engines:
             self._add_remote(handshake)
         if self.role == "producer":
-            self._held.update(metadata.held_req_ids)
-            self._send_nonces.update(metadata.send_nonces)
+            self._handouts.hold(metadata.held_req_ids, metadata.send_nonces)
         if self.transport is not None:
             self.transport.release_ended()  # abandoned reads that ended meanwhile (a producer resumed)
 
@@ -233,7 +223,9 @@ class PDWorker(KVConnectorWorker):
                 )  # fmt: skip
         if runs:
             device = info.regions[0]
-            pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
+            handle = self.transport.read(agent, runs, notif, device.is_cuda, device.device_id)
+            pull.handles.append(handle)
+            pull.rank_handles.setdefault(remote_rank, []).append(handle)
             pull.nbytes += sum(n for _, _, n in runs)
         elif notif:
             self.transport.send_notif(agent, notif)  # a release: nothing to read
@@ -279,6 +271,7 @@ class PDWorker(KVConnectorWorker):
         first = transfer.remote_first_block
         if notice.is_void:  # the producer computes the prompt again: so are its chunks read again
             pull.next_block[rank] = first
+            self._stop_reads(request_id, pull, rank)
             return
         try:
             num_blocks = -(-notice.num_tokens // self.ctx.block_size)
@@ -303,6 +296,17 @@ class PDWorker(KVConnectorWorker):
         except Exception as e:  # noqa: BLE001 - this pull fails alone (its request fails)
             self.log.warning("kv_pull_failed", request_id=request_id, error=repr(e))
             self._end_pull(request_id, failed=True)
+
+    def _stop_reads(self, request_id: str, pull: _Pull, rank: int) -> None:
+        """A void notice: the reads from that producer stage so far are superseded (its blocks are
+        freed there, the chunks come again into the same local blocks). Wait for them to end before
+        any new read targets those blocks; one NIXL cannot stop fails the pull (its blocks are
+        quarantined)."""
+        for handle in pull.rank_handles.pop(rank, []):
+            pull.handles.remove(handle)
+            if not self._quarantine.release(self.transport, handle, pull.transfer.block_ids, request_id):
+                self._end_pull(request_id, failed=True)
+                return
 
     def _release_remote(self, notice: ReadyNotice) -> None:
         """Tell the producer stage that this stage will not read its blocks for that request."""
@@ -359,6 +363,7 @@ class PDWorker(KVConnectorWorker):
         for request_id in finished_req_ids:  # finished (aborted) mid-prompt: no chunk of it comes again
             self._noticed.pop(request_id, None)
         sending = self._collect_notifications()
+        self._quarantine.retry(self.transport)
         for request_id in list(self._pulls):
             pull = self._pulls[request_id]
             states = [self.transport.poll(handle) for handle in pull.handles]
@@ -378,10 +383,7 @@ class PDWorker(KVConnectorWorker):
             if pull.awaited_ranks:  # notices still to come: answer them "not read"
                 self._dropped[remote_request_id] = time.monotonic()
         for handle in pull.handles:
-            try:
-                self.transport.release(handle)
-            except TimeoutError as e:  # a read NIXL cannot stop: its blocks may still be written
-                self.log.error("kv_pull_not_stopped", request_id=request_id, error=str(e))
+            if not self._quarantine.release(self.transport, handle, pull.transfer.block_ids, request_id):
                 failed = True
         if failed:
             self._invalid_block_ids.update(pull.transfer.block_ids)
@@ -397,6 +399,9 @@ class PDWorker(KVConnectorWorker):
                 handover_s=handover_s,
             )
         self._finished_recving.add(request_id)
+
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        return self._quarantine.take()
 
     def _notify(self, agent: str, notif: bytes) -> None:
         try:
@@ -420,49 +425,19 @@ class PDWorker(KVConnectorWorker):
             if parsed is None or self.role != "producer":
                 self.log.warning("kv_bad_notification", message=msg[:100])
                 continue
-            request_id, nonce, pp_rank, num_readers = parsed
-            self._readers.setdefault((request_id, nonce), {})[pp_rank] = num_readers
-            self._first_notified_at.setdefault((request_id, nonce), now)
+            self._handouts.on_notification(*parsed, now)
         if self.role != "producer":
             self._expire_early_notices(now)
             return frozenset()
-        sending = []
-        for request_id in self._held:
-            keys = [(request_id, self._send_nonces.get(request_id)), (request_id, "")]
-            readers = {rank: n for key in keys for rank, n in self._readers.get(key, {}).items()}
-            if readers and len(readers) >= max(readers.values()):
-                sending.append(request_id)
-                for key in keys:
-                    self._readers.pop(key, None)
-                    self._first_notified_at.pop(key, None)
-        for key, at in list(self._first_notified_at.items()):
-            if not self._is_held(key) and now - at > self.ctx.pull_timeout_s:
-                # Never held here (finished elsewhere, forged), or readers of another handout of that
-                # request id (replayed params): they never count for this one. Drop them.
-                self.log.warning("kv_notification_of_no_handout", request_id=key[0], nonce=key[1])
-                self._readers.pop(key, None)
-                del self._first_notified_at[key]
-        self._held.difference_update(sending)
-        for request_id in sending:
-            self._send_nonces.pop(request_id, None)
-        return frozenset(sending)
-
-    def _is_held(self, key: tuple[str, str]) -> bool:
-        """The engine holds this request's blocks for the handout of this nonce ("": a consumer stage
-        that read nothing and never learned the nonce, releasing whatever handout it was given)."""
-        request_id, nonce = key
-        return request_id in self._held and nonce in ("", self._send_nonces.get(request_id))
+        return self._handouts.take_done(now)
 
     def abort_transfers(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if request_id in self._pulls:
                 self._end_pull(request_id, failed=True)
                 self._finished_recving.discard(request_id)  # the wrapper reports it
-            self._held.discard(request_id)
+            self._handouts.forget(request_id)
             self._noticed.pop(request_id, None)
-            for key in ((request_id, self._send_nonces.pop(request_id, None)), (request_id, "")):
-                self._readers.pop(key, None)
-                self._first_notified_at.pop(key, None)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         invalid, self._invalid_block_ids = frozenset(self._invalid_block_ids), set()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from asyncpp.errors import InvalidRequestError
-from asyncpp.kv_transfer.pd.worker import notification
+from asyncpp.kv_transfer.pd.readers import notification
 from asyncpp.sampling.params import SamplingParams
 from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_engine, pd_pair, prefill
 from tests.kv_transfer.pd.test_pd_engine import expected, prompts  # noqa: F401  (module fixtures)
