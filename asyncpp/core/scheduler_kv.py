@@ -24,6 +24,14 @@ for a request is not asked again past `load_timeout_s` (its prefix is
 computed), and never holds up the requests behind it. Once nothing is
 pending, `has_pending_transfers` is False and the engine stops polling.
 
+A read a stage could not stop may still write its blocks: the stage reports
+them quarantined (`KVConnectorOutput.quarantined_block_ids`, no later than
+the load it ends) and the block manager keeps them out of the free pool and
+the prefix cache until that stage reports them released; a load whose
+blocks are quarantined fails its request instead of being recomputed into
+them. So that such a report is never too late, a request finished while its
+load within a plan is in flight keeps its blocks until that plan is back.
+
 A request that awaits its first token from a remote engine
 (`Request.awaits_remote_tokens`, early prefill/decode handover) may load its
 whole prompt, once that leaves every running request a free block to grow
@@ -143,7 +151,10 @@ class KVTransferScheduling:
         return request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _holds_blocks(self, request: Request) -> bool:
-        return request.request_id in self._held or request.request_id in self._waiting_for_remote
+        """A transfer still uses its blocks: a send, an async load, or a load within a plan not back yet
+        (a read the transport cannot stop is only known once that plan's output is)."""
+        request_id = request.request_id
+        return request_id in self._held or request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool | None:
         """Ask the connector for more of the prefix: True if the request now waits for an async load,
@@ -227,19 +238,25 @@ class KVTransferScheduling:
             del self._sync_loads[request_id]
             self._invalid_block_ids.difference_update(block_ids)  # reported for this load only
             bad = invalid_block_ids.intersection(block_ids)
-            if not bad:
-                continue
-            self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
-            self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
-            policy = self.connector.load_failure_policy
-            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad), policy=policy)
-            affected = self._discard_blocks(request_id, block_ids)
-            if policy == "fail":
-                why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
-                self._failed_requests.extend((affected_id, why) for affected_id in affected)
-            else:  # recomputed from scratch once no plan computing it is in flight
-                self._recompute_ids.update(affected)
-                self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
+            if bad:
+                self._fail_sync_load(request_id, block_ids, len(bad))
+            request = self._requests.get(request_id)  # type: ignore[attr-defined]
+            if request is not None and request.is_finished:  # while its plan was in flight: its blocks
+                self._release_blocks(request)  # go now (uncached if bad; quarantined ones stay out)
+
+    def _fail_sync_load(self, request_id: str, block_ids: list[int], num_bad: int) -> None:
+        """Its blocks leave the prefix cache; it and whoever hit them fail or start again (the policy)."""
+        self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
+        self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
+        policy = self.connector.load_failure_policy
+        self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=num_bad, policy=policy)
+        affected = self._discard_blocks(request_id, block_ids)
+        if policy == "fail":
+            why = f"KV connector failed to load {num_bad} of the {len(block_ids)} blocks of its prompt"
+            self._failed_requests.extend((affected_id, why) for affected_id in affected)
+        else:  # recomputed from scratch once no plan computing it is in flight
+            self._recompute_ids.update(affected)
+            self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
 
     def _take_recompute(self, request: Request) -> bool:
         """The request read KV that never arrived (a failed load within a plan): drop what this
