@@ -44,9 +44,11 @@ def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected,
         pid, cid = start_early(producer, consumer, prompt, GREEDY, "x")
         consumer.step()  # admitted: every stage awaits the producer's notices
         producer.step()  # the first chunk
-        consumer.step()  # polls: its blocks are read
         workers = [r.kv_connector.connector for r in consumer.executor.runners]
         first = chunk // 16  # whole blocks of the first chunk
+        deadline = time.monotonic() + 60  # polls until NIXL delivered every stage's notice: its blocks are read
+        while min(min(w._pulls[cid].next_block.values()) for w in workers) < first and time.monotonic() < deadline:
+            consumer.step()
         assert [min(w._pulls[cid].next_block.values()) for w in workers] == [first] * 3
         assert all(w._pulls[cid].awaited_ranks for w in workers)  # not done: more chunks come
         consumer.abort(cid)
