@@ -27,7 +27,8 @@ request whose blocks it does not pull (its own cache had them, it was aborted
 first) still tells the producer, so that no block waits for its timeout.
 
 Early handover (`AwaitedPrefill` params, what the router sends): the
-consumer admits the request while the producer computes its prompt, with
+consumer admits the request (one at a time per producer request: its KV is
+read once) while the producer computes its prompt, with
 its prompt's blocks allocated and one pull per stage awaiting the producer
 stages' word (`on_ready`); the request stays parked once loaded, until its
 signed params come (`accept_remote_prefill`). A producer request asked for
@@ -95,6 +96,7 @@ class PDScheduler(KVConnectorScheduler):
         self._resolved: set[str] = set()  # consumer: unfinished requests with params, pulled or released
         self._first_token_at: dict[str, float] = {}  # consumer: awaited requests whose params came
         self._used_nonces: dict[str, float] = {}  # consumer: nonces of params accepted here -> their expiry
+        self._awaited: set[tuple[str, str]] = set()  # consumer: (producer, its request) an unfinished request awaits
         self._nonces: dict[str, str] = {}  # producer: unfinished request -> the nonce of its handout
         self._unsent_nonces: dict[str, str] = {}  # producer: handed out since the last plan
         self.num_handed_out = 0  # producer: params handed out
@@ -152,6 +154,11 @@ class PDScheduler(KVConnectorScheduler):
             awaited = AwaitedPrefill.parse(params)
             if awaited.remote_engine_id not in self._remote:
                 raise ValueError(f"kv_transfer_params name engine {awaited.remote_engine_id!r}, which this engine does not know")
+            if (awaited.remote_engine_id, awaited.remote_request_id) in self._awaited:  # its one reader is here
+                raise ValueError(
+                    f"kv_transfer_params: engine {awaited.remote_engine_id!r}'s request {awaited.remote_request_id!r} "
+                    "is awaited by another request here already (its KV is read once)"
+                )
             return
         prefill = RemotePrefill.parse(params)
         self._check(prefill, params, prompt_token_ids)
@@ -175,7 +182,11 @@ class PDScheduler(KVConnectorScheduler):
             )
 
     def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
-        if self.role != "consumer" or AwaitedPrefill.is_awaited(params):
+        if self.role != "consumer":
+            return
+        if AwaitedPrefill.is_awaited(params):
+            awaited = AwaitedPrefill.parse(params)
+            self._awaited.add((awaited.remote_engine_id, awaited.remote_request_id))
             return
         try:
             prefill = RemotePrefill.parse(params)
@@ -308,6 +319,9 @@ class PDScheduler(KVConnectorScheduler):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.role == "consumer":
             self._release_unpulled(request)  # if it finished before it was ever scheduled
+            if AwaitedPrefill.is_awaited(request.kv_transfer_params):
+                awaited = AwaitedPrefill.parse(request.kv_transfer_params)
+                self._awaited.discard((awaited.remote_engine_id, awaited.remote_request_id))
             self._resolved.discard(request.request_id)
             self._first_token_at.pop(request.request_id, None)
             return False, None

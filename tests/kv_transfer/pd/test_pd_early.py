@@ -103,6 +103,9 @@ def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, 
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
     try:
         pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "f")
+        awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": pid}
+        with pytest.raises(InvalidRequestError, match="awaited by another request"):  # its KV is read once
+            consumer.add_request(prompts[-1], GREEDY, "c-f2", awaited)
         other_pid, other_cid = start_early(producer, consumer, prompts[-2], GREEDY, "g")
         done, other = prefill_until_finished(producer, consumer, pid, other_pid)
         good = done.kv_transfer_params
