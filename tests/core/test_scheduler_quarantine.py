@@ -30,7 +30,8 @@ def test_a_request_aborted_during_its_load_within_a_plan_keeps_its_blocks_until_
     s.add_request(make_request("b", list(range(20, 30))))  # needs 3 blocks: only 1 is free
     assert s.schedule() is None
     # The plan is back: one stage could not stop its read. Those blocks stay out of the free pool.
-    report(s, plan, stage0=stuck("a", blocks=load.block_ids), stage1=KVConnectorOutput(finished_recving=frozenset({"a"})))
+    done = KVConnectorOutput(finished_recving=frozenset({"a"}))
+    report(s, plan, stage0=stuck("a", blocks=load.block_ids), stage1=done)
     bm = s._block_manager
     assert s.num_quarantined_blocks == 2 and bm.num_free_blocks == 2
     assert s.schedule() is None  # b still does not fit
@@ -48,8 +49,8 @@ def test_a_load_within_a_plan_that_failed_after_its_request_was_aborted_leaves_t
     plan = s.schedule()
     [load] = plan.kv_connector_metadata.loads
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
-    report(s, plan, stage0=KVConnectorOutput(finished_recving=frozenset({"a"}), invalid_block_ids=frozenset(load.block_ids)),
-           stage1=KVConnectorOutput(finished_recving=frozenset({"a"})))  # fmt: skip
+    failed = KVConnectorOutput(finished_recving=frozenset({"a"}), invalid_block_ids=frozenset(load.block_ids))
+    report(s, plan, stage0=failed, stage1=KVConnectorOutput(finished_recving=frozenset({"a"})))
     assert s._block_manager.num_free_blocks == 8 and s.take_failed_requests() == []
     connector.offer_blocks = 0
     s.add_request(make_request("c", list(range(1, 11))))  # the same prompt: nothing of it is cached

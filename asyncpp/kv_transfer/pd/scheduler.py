@@ -169,9 +169,8 @@ class PDScheduler(KVConnectorScheduler):
             raise ValueError(f"kv_transfer_params name engine {prefill.remote_engine_id!r}, which this engine does not know")
         num_remote_blocks = min(stage.num_blocks for stage in remote.stages)
         now = time.time()
-        prefill.check(
-            params["sig"], remote.params_key, self.ctx.block_size, prompt_token_ids, num_remote_blocks, self.engine_id, now
-        )  # fmt: skip
+        key, block_size = remote.params_key, self.ctx.block_size
+        prefill.check(params["sig"], key, block_size, prompt_token_ids, num_remote_blocks, self.engine_id, now)
         for nonce in [n for n, expires_at in self._used_nonces.items() if expires_at < now]:
             del self._used_nonces[nonce]  # expired: refused as such from now on
         if prefill.nonce in self._used_nonces:

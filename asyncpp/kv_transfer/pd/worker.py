@@ -103,7 +103,8 @@ class PDWorker(KVConnectorWorker):
         self._early_notices: dict[str, list[ReadyNotice]] = {}
         self._early_since: dict[str, float] = {}
         self._dropped: dict[str, float] = {}
-        self._noticed: dict[str, tuple[str, str]] = {}  # producer: request -> (consumer engine told of some of its chunks, nonce)
+        # Producer: request -> (the consumer engine told of some of its chunks, the handout's nonce).
+        self._noticed: dict[str, tuple[str, str]] = {}
         self._stats = KVTransferStats()
         self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
 

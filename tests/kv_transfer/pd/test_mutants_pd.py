@@ -48,7 +48,7 @@ def test_a_read_that_fails_fails_its_request_alone(tiny_hf_dir, prompts, expecte
     assert other.token_ids == expected[3]
 
 
-def test_a_read_that_cannot_be_stopped_keeps_its_blocks_out_of_the_free_pool(tiny_hf_dir, prompts, expected):  # noqa: F811
+def test_an_unstoppable_read_keeps_its_blocks_out_of_the_free_pool(tiny_hf_dir, prompts, expected):  # noqa: F811
     """NIXL cannot stop a running read (`release` raises): its request fails alone, its blocks stay
     quarantined (never free, never handed to another request) until the transport says it ended."""
     from asyncpp.transport.nixl_agent import TransferState
