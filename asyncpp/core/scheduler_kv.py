@@ -382,18 +382,17 @@ class KVTransferScheduling:
         if request.is_finished:  # aborted while loading: its blocks go (quarantined ones stay out)
             self._release_blocks(request)
             return
-        if any(self._block_manager.is_quarantined(b) for b in load_block_ids):
-            # A read into them may still write: never compute into them. It fails (the engine frees
-            # its blocks; the quarantined ones stay out of the free pool).
-            self.num_failed_load_tokens += len(load_block_ids) * self._block_manager.block_size
-            self._failed_requests.append((request_id, "its KV load could not be stopped; its blocks are quarantined"))
-            return
         block_size = self._block_manager.block_size
-        if num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail":
+        # A read into quarantined blocks may still write them: never compute into them, fail instead
+        # (the engine frees its blocks; the quarantined ones stay out of the free pool).
+        is_quarantined = any(self._block_manager.is_quarantined(b) for b in load_block_ids)
+        if is_quarantined or (num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail"):
             timeout_s = self.connector.ctx.load_timeout_s
             why = (f"KV connector did not load the KV of its prompt within load_timeout_s ({timeout_s} s)" if is_timed_out
                    else f"KV connector failed to load {len(load_block_ids) - num_loaded} of the {len(load_block_ids)} "
                         "blocks of its prompt")  # fmt: skip
+            if is_quarantined:
+                why += "; a read into its blocks could not be stopped (they are quarantined)"
             self.log.warning("kv_load_failed", request_id=request_id, timed_out=is_timed_out, policy="fail")
             self.num_failed_load_tokens += len(load_block_ids) * block_size
             self._failed_requests.append((request_id, why))  # in no queue: the engine fails it

@@ -9,14 +9,15 @@ Consumer: for each pull bound to the plan, the stage reads, from every
 producer stage holding some of its layers (`TransferTopology.sources_for`),
 those layers' blocks in ONE NIXL read per (request, producer stage): a
 descriptor list of block runs, K and V of every layer, consecutive blocks
-merged. Each read carries a notification (`readers.notification`, naming the
-nonce of the params it reads under) that the producer stage gets once the read is over. A pull is reported in
-`finished_recving` once all its reads ended; a failed read makes all of the
+merged. Each read carries a notification (`readers.notification`, naming
+the nonce of the params it reads under) that the producer stage gets once
+the read is over. A pull is reported in `finished_recving` once all its
+reads ended; a failed read makes all of the
 request's blocks invalid. The stage never waits for a read: `start_load_kv`
 posts them and `get_finished` polls them after each step, so a hung producer
 (a read whose completion never comes) delays no other request; the engine
 aborts its pull at `load_timeout_s`, and a read NIXL cannot stop then is
-abandoned at once (`_RELEASE_WAIT_S`) and freed once it ends. A pull that
+abandoned at once (`_RELEASE_WAIT_S`), its blocks quarantined until it ends. A pull that
 ended well reports its handover (`KVTransferStats.handover_s`): from the
 producer's first token (`BlockTransfer.remote_ready_at`) to the blocks being
 here. A release (nothing to pull) sends the notifications alone.
@@ -27,16 +28,17 @@ forward that computed a chunk of the prompt in its layers (on CUDA once that
 forward is done): every notice starts a read of the blocks it completed, and
 the one for the whole prompt carries the notification. A void notice (the
 producer preempted the request) makes every chunk be read again, once the
-reads from that producer stage so far have ended (waited for: they would
-race the new ones on the same local blocks).
+reads from that producer stage so far have ended (they would race the new
+ones on the same local blocks; one still running after `_RELEASE_WAIT_S`
+fails the pull). Notices may arrive before the pull is bound: they wait up
+to `pull_timeout_s`, then the producer is told nobody reads (as for a pull
+that ended before its notice came).
 
 A read NIXL cannot stop (`release` raises `TimeoutError`: it may still write)
 fails its pull, and its local blocks are quarantined
 (`get_quarantined_blocks`): the engine keeps them out of its free pool, and
-every step tries again, without waiting, until the read has ended; then they
-are reported released. Notices may
-arrive before the pull is bound: they wait up to `pull_timeout_s`, then the
-producer is told nobody reads (as for a pull that ended before its notice came).
+every step looks again, without waiting, until the read has ended; then they
+are reported released.
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
 once every consumer stage that reads this stage's layers has notified it
