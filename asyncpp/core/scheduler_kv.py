@@ -27,7 +27,8 @@ pending, `has_pending_transfers` is False and the engine stops polling.
 A read a stage could not stop may still write its blocks: the stage reports
 them quarantined (`KVConnectorOutput.quarantined_block_ids`, no later than
 the load it ends) and the block manager keeps them out of the free pool and
-the prefix cache until that stage reports them released; a load whose
+the prefix cache until that stage reports them released (meanwhile they
+are a pending transfer: the engine polls, like blocks held for a send); a load whose
 blocks are quarantined fails its request instead of being recomputed into
 them. So that such a report is never too late, a request finished while its
 load within a plan is in flight keeps its blocks until that plan is back.
@@ -126,10 +127,12 @@ class KVTransferScheduling:
         )
 
     def has_pending_transfers(self) -> bool:
-        """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
+        """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end
+        (quarantined blocks too: each plan looks again whether their reads ended)."""
         return bool(
             self._waiting_for_remote
             or self._held
+            or self._block_manager.num_quarantined_blocks
             or self._token_deadlines
             or self._unsent_aborted
             or (self.connector is not None and self.connector.has_unsent_metadata())

@@ -9,7 +9,7 @@ import pytest
 
 from asyncpp.kv_transfer.pd.params import RemotePrefill
 from asyncpp.sampling.params import SamplingParams
-from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill
+from tests.kv_transfer.pd.pd_harness import assert_idle, drain, finish, pd_pair, prefill
 from tests.kv_transfer.pd.test_pd_engine import expected, prompts  # noqa: F401  (module fixtures)
 
 pytest.importorskip("nixl_cu12")
@@ -67,7 +67,7 @@ def test_an_unstoppable_read_keeps_its_blocks_out_of_the_free_pool(tiny_hf_dir, 
             worker.transport.release = release_never
         rid = consumer.add_request(prompts[-1], GREEDY, kv_transfer_params=done.kv_transfer_params)
         other = consumer.add_request(prompts[3], GREEDY)
-        out = drain(producer, consumer, [rid, other])
+        out = finish(producer, consumer, [rid, other])
         assert out[rid].finish_reason == "error" and "load_timeout_s" in out[rid].error
         assert "could not be stopped" in out[rid].error
         assert out[other].token_ids == expected[3]
@@ -77,10 +77,11 @@ def test_an_unstoppable_read_keeps_its_blocks_out_of_the_free_pool(tiny_hf_dir, 
         assert consumer.stats()["kv_num_quarantined_blocks"] == len(quarantined)
         # Requests that need every other block still come out exact, and never get those.
         more = [consumer.add_request(p, GREEDY) for p in prompts[:6]]
-        out = drain(producer, consumer, more)
+        out = finish(producer, consumer, more)
         assert [out[r].token_ids for r in more] == expected[:6]
         assert all(bm.ref_count(b) == len(workers) for b in quarantined)  # one per stage's read, no request's
         assert bm.num_free_blocks == bm.num_blocks - len(quarantined)
+        assert consumer.has_pending_transfers()  # it keeps polling the reads
         assert_idle(producer)  # the producer was told: its blocks are free
         # The transport confirms the read ended: the blocks come back with the next step.
         for worker, (poll, release) in zip(workers, unbroken):

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from asyncpp.transport.nixl_agent import TransferState
-from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair_early, start_early
+from tests.kv_transfer.pd.pd_harness import assert_idle, drain, finish, pd_pair_early, start_early
 from tests.kv_transfer.pd.test_pd_early import prefill_until_finished
 from tests.kv_transfer.pd.test_pd_engine import GREEDY, expected, prompts  # noqa: F401  (module fixtures)
 
@@ -92,7 +92,7 @@ def test_a_superseded_read_that_cannot_be_stopped_fails_its_request_alone(tiny_h
         block_ids = consumer.block_manager.block_ids(cid)
         producer.scheduler._preempt(producer.scheduler.get_request(pid))
         other = consumer.add_request(prompts[3], GREEDY)
-        out = drain(producer, consumer, [cid, other])  # the producer finishes; its params go nowhere
+        out = finish(producer, consumer, [cid, other])  # the producer finishes; its params go nowhere
         assert out[cid].finish_reason == "error" and "could not be stopped" in out[cid].error
         assert out[other].token_ids == expected[3]
         bm = consumer.block_manager
