@@ -24,6 +24,15 @@ for a request is not asked again past `load_timeout_s` (its prefix is
 computed), and never holds up the requests behind it. Once nothing is
 pending, `has_pending_transfers` is False and the engine stops polling.
 
+A read a stage could not stop may still write its blocks: the stage reports
+them quarantined (`KVConnectorOutput.quarantined_block_ids`, no later than
+the load it ends) and the block manager keeps them out of the free pool and
+the prefix cache until that stage reports them released (meanwhile they
+are a pending transfer: the engine polls, like blocks held for a send); a load whose
+blocks are quarantined fails its request instead of being recomputed into
+them. So that such a report is never too late, a request finished while its
+load within a plan is in flight keeps its blocks until that plan is back.
+
 A request that awaits its first token from a remote engine
 (`Request.awaits_remote_tokens`, early prefill/decode handover) may load its
 whole prompt, once that leaves every running request a free block to grow
@@ -99,6 +108,11 @@ class KVTransferScheduling:
         return len(self._held)
 
     @property
+    def num_quarantined_blocks(self) -> int:
+        """Blocks kept out of the free pool: a read into them could not be stopped (yet)."""
+        return self._block_manager.num_quarantined_blocks
+
+    @property
     def num_partly_reported_transfers(self) -> int:
         """Transfers some stages reported and others not yet."""
         return self._aggregator.num_pending() if self._aggregator is not None else 0
@@ -113,10 +127,12 @@ class KVTransferScheduling:
         )
 
     def has_pending_transfers(self) -> bool:
-        """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end."""
+        """KV transfers under way or waiting for a plan: the engine keeps sending plans until they end
+        (quarantined blocks too: each plan looks again whether their reads ended)."""
         return bool(
             self._waiting_for_remote
             or self._held
+            or self._block_manager.num_quarantined_blocks
             or self._token_deadlines
             or self._unsent_aborted
             or (self.connector is not None and self.connector.has_unsent_metadata())
@@ -138,7 +154,10 @@ class KVTransferScheduling:
         return request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _holds_blocks(self, request: Request) -> bool:
-        return request.request_id in self._held or request.request_id in self._waiting_for_remote
+        """A transfer still uses its blocks: a send, an async load, or a load within a plan not back yet
+        (a read the transport cannot stop is only known once that plan's output is)."""
+        request_id = request.request_id
+        return request_id in self._held or request_id in self._waiting_for_remote or request_id in self._sync_loads
 
     def _start_load(self, request: Request, token_ids: list[int], hit_block_ids: list[int], num_hit_tokens: int) -> bool | None:
         """Ask the connector for more of the prefix: True if the request now waits for an async load,
@@ -222,19 +241,25 @@ class KVTransferScheduling:
             del self._sync_loads[request_id]
             self._invalid_block_ids.difference_update(block_ids)  # reported for this load only
             bad = invalid_block_ids.intersection(block_ids)
-            if not bad:
-                continue
-            self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
-            self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
-            policy = self.connector.load_failure_policy
-            self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=len(bad), policy=policy)
-            affected = self._discard_blocks(request_id, block_ids)
-            if policy == "fail":
-                why = f"KV connector failed to load {len(bad)} of the {len(block_ids)} blocks of its prompt"
-                self._failed_requests.extend((affected_id, why) for affected_id in affected)
-            else:  # recomputed from scratch once no plan computing it is in flight
-                self._recompute_ids.update(affected)
-                self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
+            if bad:
+                self._fail_sync_load(request_id, block_ids, len(bad))
+            request = self._requests.get(request_id)  # type: ignore[attr-defined]
+            if request is not None and request.is_finished:  # while its plan was in flight: its blocks
+                self._release_blocks(request)  # go now (uncached if bad; quarantined ones stay out)
+
+    def _fail_sync_load(self, request_id: str, block_ids: list[int], num_bad: int) -> None:
+        """Its blocks leave the prefix cache; it and whoever hit them fail or start again (the policy)."""
+        self.num_external_hit_tokens -= len(block_ids) * self._block_manager.block_size
+        self.num_failed_load_tokens += len(block_ids) * self._block_manager.block_size
+        policy = self.connector.load_failure_policy
+        self.log.warning("kv_sync_load_failed", request_id=request_id, num_bad_blocks=num_bad, policy=policy)
+        affected = self._discard_blocks(request_id, block_ids)
+        if policy == "fail":
+            why = f"KV connector failed to load {num_bad} of the {len(block_ids)} blocks of its prompt"
+            self._failed_requests.extend((affected_id, why) for affected_id in affected)
+        else:  # recomputed from scratch once no plan computing it is in flight
+            self._recompute_ids.update(affected)
+            self._untrusted_sends.update(affected)  # what they saved from that KV is not kept
 
     def _take_recompute(self, request: Request) -> bool:
         """The request read KV that never arrived (a failed load within a plan): drop what this
@@ -326,6 +351,15 @@ class KVTransferScheduling:
                 )  # fmt: skip
 
     def _update_from_connector(self, output: KVConnectorOutput) -> None:
+        # First: a stage reports a read it could not stop no later than the load it ends, so its
+        # blocks are quarantined before that load's request frees them or computes into them.
+        if output.quarantined_block_ids:
+            self._block_manager.quarantine(output.quarantined_block_ids)
+            self.log.error("kv_blocks_quarantined", block_ids=sorted(set(output.quarantined_block_ids)))
+        if output.released_block_ids:
+            if unknown := self._block_manager.release_quarantine(output.released_block_ids):
+                self.log.warning("kv_release_of_unquarantined_blocks", block_ids=unknown)
+            self.log.info("kv_blocks_released_from_quarantine", block_ids=sorted(set(output.released_block_ids)))
         self._invalid_block_ids |= output.invalid_block_ids
         self.connector.update_connector_output(output)
         for request_id in sorted(output.finished_recving):
@@ -348,15 +382,20 @@ class KVTransferScheduling:
         self._invalid_block_ids.difference_update(load_block_ids)
         is_timed_out = request_id in self._load_timed_out
         self._load_timed_out.discard(request_id)
-        if request.is_finished:  # aborted while loading: nobody writes its blocks any more
+        if request.is_finished:  # aborted while loading: its blocks go (quarantined ones stay out)
             self._release_blocks(request)
             return
         block_size = self._block_manager.block_size
-        if num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail":
+        # A read into quarantined blocks may still write them: never compute into them, fail instead
+        # (the engine frees its blocks; the quarantined ones stay out of the free pool).
+        is_quarantined = any(self._block_manager.is_quarantined(b) for b in load_block_ids)
+        if is_quarantined or (num_loaded < len(load_block_ids) and self.connector.load_failure_policy == "fail"):
             timeout_s = self.connector.ctx.load_timeout_s
             why = (f"KV connector did not load the KV of its prompt within load_timeout_s ({timeout_s} s)" if is_timed_out
                    else f"KV connector failed to load {len(load_block_ids) - num_loaded} of the {len(load_block_ids)} "
                         "blocks of its prompt")  # fmt: skip
+            if is_quarantined:
+                why += "; a read into its blocks could not be stopped (they are quarantined)"
             self.log.warning("kv_load_failed", request_id=request_id, timed_out=is_timed_out, policy="fail")
             self.num_failed_load_tokens += len(load_block_ids) * block_size
             self._failed_requests.append((request_id, why))  # in no queue: the engine fails it

@@ -149,6 +149,8 @@ class EngineCore:
             self.output_processor.add_request(request)
         except ValueError as e:
             raise InvalidRequestError("kv_transfer_params", str(e)) from e
+        if kv_transfer_params is not None:
+            self.kv_connector.claim_kv_transfer_params(kv_transfer_params)  # used once (pd)
         self.scheduler.add_request(request)
         self.log.info("request_received", request_id=request_id, num_prompt_tokens=len(prompt_token_ids))
         return request_id
@@ -251,6 +253,8 @@ class EngineCore:
             "kv_save_time_s": t.save_time_s,
             "num_held_for_transfer": self.scheduler.num_held_for_transfer,
             "num_timed_out_transfers": self.scheduler.num_timed_out_transfers,
+            # Blocks a read the transport could not stop may still write: out of the free pool until it ends.
+            "kv_num_quarantined_blocks": self.scheduler.num_quarantined_blocks,
             "kv_num_handovers": self.kv_handover_s.count,
             **self.kv_handover_s.summary("kv_handover_s"),
             **self.kv_connector.stats(),

@@ -125,6 +125,12 @@ class _KVTransferMetrics:
         ("pd_num_handovers", "asyncpp:pd_handovers", "Requests the router handed to the decode engine."),
         ("pd_num_failed", "asyncpp:pd_failed", "Requests the router failed."),
     )
+    _GAUGES = (  # (stats key, metric, help)
+        (
+            "kv_num_quarantined_blocks", "asyncpp:kv_quarantined_blocks",
+            "KV blocks kept out of the free pool: a read into them could not be stopped yet.",
+        ),
+    )  # fmt: skip
     _QUANTILES = (  # (stats key prefix, metric, help): gauges by quantile over recent requests
         ("kv_handover_s", "asyncpp:kv_handover_seconds", "Remote prefill's first token -> KV on every decode stage."),
         ("pd_second_token_s", "asyncpp:pd_second_token_seconds", "Prefill engine's token -> decode engine's first."),
@@ -140,6 +146,11 @@ class _KVTransferMetrics:
         for key, name, doc in self._COUNTERS:
             if self.stats.get(key) is not None:
                 family = CounterMetricFamily(name, doc, labels=["model_name"])
+                family.add_metric([self.model_name], self.stats[key])
+                yield family
+        for key, name, doc in self._GAUGES:
+            if self.stats.get(key) is not None:
+                family = GaugeMetricFamily(name, doc, labels=["model_name"])
                 family.add_metric([self.model_name], self.stats[key])
                 yield family
         for prefix, name, doc in self._QUANTILES:

@@ -6,7 +6,8 @@ those ids out. A request's block table maps its token position `p` to slot
 `p % block_size` of block `table[p // block_size]`.
 
 Invariants (checked by the tests after every step):
-* `ref_count(b)` == number of request block tables that contain `b`.
+* `ref_count(b)` == number of request block tables that contain `b`, plus the
+  times `b` is quarantined.
 * A block is in the free queue iff its ref count is 0, so
   `num_free_blocks + number of blocks with ref > 0 == num_blocks`.
 * `_cached_block_by_hash[h] == b` implies `_block_hash[b] == h`: a hash names
@@ -24,6 +25,11 @@ and are reused first (their content is worthless); cached blocks follow in
 least-recently-freed order. A request frees its blocks tail first, so the end
 of a sequence is evicted before its (more shareable) beginning. All queue
 operations are O(1) (`OrderedDict`).
+
+Quarantine: a block that a KV read the transport could not stop may still
+write (`quarantine`) holds one reference per such read and loses its hash,
+so it neither returns to the free queue nor is hit, until each read is
+confirmed ended (`release_quarantine`).
 
 Stats are in tokens: `num_prefix_cache_queries_tokens` counts the tokens of
 every `get_computed_blocks` lookup, `num_prefix_cache_hit_tokens` those served
@@ -53,6 +59,7 @@ class BlockManager:
         # Blocks with ref count 0, head evicted first. Values unused.
         self._free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._block_tables: dict[str, list[int]] = {}
+        self._quarantined: dict[int, int] = {}  # block -> reads into it not confirmed ended
         # Chained hashes of the request's full blocks so far (the parent chain for the next one).
         self._request_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_prefix_cache_queries_tokens = 0
@@ -78,6 +85,13 @@ class BlockManager:
         if self.num_prefix_cache_queries_tokens == 0:
             return 0.0
         return self.num_prefix_cache_hit_tokens / self.num_prefix_cache_queries_tokens
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return len(self._quarantined)
+
+    def is_quarantined(self, block_id: int) -> bool:
+        return block_id in self._quarantined
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
@@ -250,6 +264,37 @@ class BlockManager:
                 if self._cached_block_by_hash.get(block_hash) == block_id:
                     del self._cached_block_by_hash[block_hash]
         return table[first_block:]
+
+    def quarantine(self, block_ids: Sequence[int]) -> None:
+        """A read that could not be stopped may still write these blocks: keep them (one reference per
+        read) out of the free queue and out of the prefix cache."""
+        for block_id in block_ids:
+            self._take(block_id)
+            self._quarantined[block_id] = self._quarantined.get(block_id, 0) + 1
+            block_hash = self._block_hash[block_id]
+            if block_hash is not None:
+                self._block_hash[block_id] = None
+                if self._cached_block_by_hash.get(block_hash) == block_id:
+                    del self._cached_block_by_hash[block_hash]
+
+    def release_quarantine(self, block_ids: Sequence[int]) -> list[int]:
+        """One read into each of these blocks is confirmed ended. Returns those not quarantined
+        (ignored)."""
+        unknown = []
+        for block_id in block_ids:
+            count = self._quarantined.get(block_id, 0)
+            if count == 0:
+                unknown.append(block_id)
+                continue
+            if count == 1:
+                del self._quarantined[block_id]
+            else:
+                self._quarantined[block_id] = count - 1
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free_queue[block_id] = None
+                self._free_queue.move_to_end(block_id, last=False)  # no hash: its content is worthless
+        return unknown
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""

@@ -12,7 +12,8 @@ is forgotten then.
   a report for a request nobody waits for (a stale one, or an id reused
   after the engine forgot the old request) is dropped, never counted.
 * A request fails to send if any stage reported it in `failed_sending`.
-Blocks that failed to load on any stage and transfer counters are merged as
+Blocks that failed to load on any stage, quarantined and released blocks
+(counted: each stage's, as they come) and transfer counters are merged as
 they come.
 """
 
@@ -42,6 +43,8 @@ class KVOutputAggregator:
         finished_sending: set[str] = set()
         finished_recving: set[str] = set()
         invalid_block_ids: set[int] = set()
+        quarantined: list[int] = []
+        released: list[int] = []
         stats = KVTransferStats()
         for pp_rank, output in enumerate(outputs):
             if output is None:
@@ -55,6 +58,8 @@ class KVOutputAggregator:
                 if awaited_recving(request_id):
                     self._count(request_id, pp_rank, self._recving, finished_recving)
             invalid_block_ids |= output.invalid_block_ids
+            quarantined += output.quarantined_block_ids
+            released += output.released_block_ids
             stats = stats + output.stats
         failed_sending = finished_sending & self._failed_sending
         self._failed_sending -= failed_sending
@@ -64,6 +69,8 @@ class KVOutputAggregator:
             frozenset(invalid_block_ids),
             stats,
             frozenset(failed_sending),
+            quarantined,
+            released,
         )
 
     def reporters(self, request_id: str) -> tuple[frozenset[int], frozenset[int]]:

@@ -150,6 +150,10 @@ class KVConnectorScheduler(ABC):
         saying what is wrong; the request is then refused and nothing else changes."""
         raise ValueError(f"KV connector {self.ctx.name!r} takes no kv_transfer_params")
 
+    def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        """Validated `params` now belong to a queued request (called once it can no longer be refused):
+        a connector whose params may be used once remembers them here."""
+
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
         """Output tokens a remote engine generated for the request (valid `params`) and already streamed
         to its client: the request starts with them, and its deltas begin after them."""
@@ -279,6 +283,11 @@ class KVConnectorWorker(ABC):
         """Blocks whose load failed since the last call (their tokens must be recomputed)."""
         return frozenset()
 
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        """(blocks quarantined, blocks released) since the last call: a read into a block that the
+        transport could not stop keeps it out of the free pool until the transport confirms it ended."""
+        return [], []
+
     def get_stats(self) -> KVTransferStats:
         """Counters since the last call."""
         return KVTransferStats()
@@ -293,6 +302,8 @@ class KVConnectorWorker(ABC):
 
 def collect_output(worker: KVConnectorWorker, finished_req_ids: frozenset[str]) -> KVConnectorOutput:
     sending, recving = worker.get_finished(finished_req_ids)
+    quarantined, released = worker.get_quarantined_blocks()
     return KVConnectorOutput(
-        sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats(), worker.get_failed_sending()
-    )
+        sending, recving, worker.get_block_ids_with_load_errors(), worker.get_stats(), worker.get_failed_sending(),
+        quarantined, released,
+    )  # fmt: skip

@@ -14,7 +14,8 @@ else. The ledger sits between the connector and the engine (in
   are recomputed); a send that was aborted is reported finished and failed;
 * saves that were bound but not run (the step failed before its forward
   ended) mark their request's send failed, whenever it is reported.
-Invalid block ids are passed on only for loads still owed.
+Invalid block ids are passed on only for loads still owed; quarantined and
+released blocks always (they outlive the transfer).
 Pure bookkeeping: no torch, no I/O.
 """
 
@@ -80,4 +81,7 @@ class TransferLedger:
         self._failed_sends -= finished_req_ids - self._sends
         self._ended_loads.clear()
         self._ended_sends.clear()
-        return KVConnectorOutput(frozenset(sending), frozenset(recving), frozenset(invalid), output.stats, frozenset(failed))
+        return KVConnectorOutput(
+            frozenset(sending), frozenset(recving), frozenset(invalid), output.stats, frozenset(failed),
+            output.quarantined_block_ids, output.released_block_ids,
+        )  # fmt: skip

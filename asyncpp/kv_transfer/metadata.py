@@ -10,7 +10,8 @@ metadata, so one typed message serves every connector.
 `KVConnectorOutput` is what one stage reports after one step: the requests
 whose transfers finished on that stage (a request is finished only when every
 stage has reported it; see `kv_transfer.aggregator`), the blocks that failed
-to load, and transfer counters.
+to load, blocks a read it could not stop may still write (quarantined until
+it reports them released), and transfer counters.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class BlockTransfer:
     remote_first_block: int = 0
     # Producer side of it (a save): the prompt's tokens computed once this step's forward is done.
     num_ready_tokens: int = 0
+    # The nonce of the signed params handed out for the remote request: a pull's notifications name
+    # it, so that the producer counts the readers of that one handout (a save: the params to come).
+    nonce: str = ""
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,15 @@ class KVConnectorMetadata:
     # Requests this plan computes for the first time after a remote prefill whose KV was loaded
     # before: when their first token was sampled there (for the stages' `handover_s`).
     handover_at: dict[str, float] = field(default_factory=dict)
+    # Prefill/decode producer: request -> the nonce of the params handed out for it (its blocks are
+    # released once the readers of that handout, and no other, are done).
+    send_nonces: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
         return not (
             self.loads or self.saves or self.send_holders or self.held_req_ids or self.aborted_req_ids
-            or self.remote_engines or self.handover_at
+            or self.remote_engines or self.handover_at or self.send_nonces
         )  # fmt: skip
 
 
@@ -125,6 +132,11 @@ class KVConnectorOutput:
     # Of `finished_sending`: requests whose sends (saves) failed, were skipped or timed out on
     # this stage. Nothing they wrote may be trusted (the offload index drops their slots).
     failed_sending: frozenset[str] = frozenset()
+    # Blocks a read into this stage's cache may still write (the transport could not stop it): they
+    # must not be reused until the same stage names them in `released_block_ids`. Counted: a block
+    # named twice is released twice.
+    quarantined_block_ids: list[int] = field(default_factory=list)
+    released_block_ids: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -133,4 +145,6 @@ class KVConnectorOutput:
             and not self.finished_recving
             and not self.invalid_block_ids
             and self.stats.is_empty
+            and not self.quarantined_block_ids
+            and not self.released_block_ids
         )

@@ -109,6 +109,10 @@ class MultiScheduler(KVConnectorScheduler):
                 errors.append(e)
         raise errors[0]
 
+    def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        for child in self.children:  # each claims only its own params
+            child.claim_kv_transfer_params(params)
+
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
         """The first child's that names any (the one that took the params)."""
         return next((ids for child in self.children if (ids := child.remote_output_token_ids(params))), [])
@@ -228,6 +232,14 @@ class MultiWorker(KVConnectorWorker):
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         return frozenset().union(*(child.get_block_ids_with_load_errors() for child in self.children))
+
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        quarantined, released = [], []
+        for child in self.children:
+            q, r = child.get_quarantined_blocks()
+            quarantined += q
+            released += r
+        return quarantined, released
 
     def get_handshake_metadata(self) -> KVHandshakeMetadata | None:
         """The one child's that publishes a transfer endpoint (a stage has one)."""

@@ -234,3 +234,24 @@ def test_argument_validation() -> None:
         bm.allocate_slots("a", [1, 2], num_new_tokens=3, num_computed_tokens=0)
     with pytest.raises(ValueError, match="computed blocks"):
         bm.allocate_slots("a", [1, 2, 3, 4, 5], num_new_tokens=1, num_computed_tokens=4)
+
+
+def test_quarantined_blocks_leave_the_free_queue_and_the_cache_until_each_read_is_released() -> None:
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    prompt = list(range(1, 10))  # 2 full blocks and 1 token
+    table = _start(bm, "a", prompt)
+    bm.free("a")  # its full blocks stay cached in the free queue
+    assert bm.get_computed_blocks(prompt)[1] == 8
+    bm.quarantine([table[0], table[0], table[2]])  # two reads into block 0, one into block 2
+    assert bm.num_quarantined_blocks == 2 and bm.num_free_blocks == 2
+    assert bm.get_computed_blocks(prompt) == ([], 0)  # block 0's KV is not trusted: no hit
+    assert _start(bm, "b", list(range(50, 55))) is not None  # 2 blocks: the 2 not quarantined
+    assert set(bm.block_ids("b")).isdisjoint({table[0], table[2]})
+    assert _start(bm, "c", [7]) is None  # nothing else is free
+    other = next(b for b in range(4) if b not in (table[0], table[2]))  # b's, never quarantined
+    assert bm.release_quarantine([table[0], table[2], other]) == [other]  # returned, ignored
+    assert bm.num_quarantined_blocks == 1 and bm.num_free_blocks == 1  # block 2 back, block 0 still read once
+    bm.release_quarantine([table[0]])
+    assert bm.num_quarantined_blocks == 0 and bm.num_free_blocks == 2
+    bm.free("b")
+    _check_accounting(bm, [])

@@ -13,7 +13,8 @@ blocks; a request nobody pulls is aborted after `kv_transfer.pull_timeout_s`
 
 Consumer (`kv_role = "consumer"`, the decode engine): a request whose
 `kv_transfer_params` name a known producer and pass `RemotePrefill.check`
-(otherwise it is refused at `add_request`) starts with the producer's token
+(otherwise it is refused at `add_request`), and whose nonce was not accepted
+here before (`claim_kv_transfer_params` remembers it until it expires), starts with the producer's token
 as its first output (`remote_output_token_ids`; the client has it already)
 and is offered the prompt's blocks beyond its own prefix-cache hit, the last
 one partly filled: every stage pulls the blocks of its layers from every
@@ -26,7 +27,8 @@ request whose blocks it does not pull (its own cache had them, it was aborted
 first) still tells the producer, so that no block waits for its timeout.
 
 Early handover (`AwaitedPrefill` params, what the router sends): the
-consumer admits the request while the producer computes its prompt, with
+consumer admits the request (one at a time per producer request: its KV is
+read once) while the producer computes its prompt, with
 its prompt's blocks allocated and one pull per stage awaiting the producer
 stages' word (`on_ready`); the request stays parked once loaded, until its
 signed params come (`accept_remote_prefill`). A producer request asked for
@@ -93,11 +95,16 @@ class PDScheduler(KVConnectorScheduler):
         self._unsent_transfers: list[BlockTransfer] = []  # consumer: pulls, and releases without a pull
         self._resolved: set[str] = set()  # consumer: unfinished requests with params, pulled or released
         self._first_token_at: dict[str, float] = {}  # consumer: awaited requests whose params came
+        self._used_nonces: dict[str, float] = {}  # consumer: nonces of params accepted here -> their expiry
+        self._awaited: set[tuple[str, str]] = set()  # consumer: (producer, its request) an unfinished request awaits
+        self._nonces: dict[str, str] = {}  # producer: unfinished request -> the nonce of its handout
+        self._unsent_nonces: dict[str, str] = {}  # producer: handed out since the last plan
         self.num_handed_out = 0  # producer: params handed out
         self.num_pulls = 0  # consumer: requests pulled
         self.num_pulled_tokens = 0
         self.num_released_unpulled = 0  # consumer: told the producer without pulling
         self.num_early_handovers = 0  # consumer: awaited requests whose producer params came
+        self.num_refused_replays = 0  # consumer: params refused because their nonce was used here before
         self.log = get_logger(role="engine", connector="pd", kv_role=self.role, engine_id=self.engine_id)
 
     @property
@@ -147,6 +154,11 @@ class PDScheduler(KVConnectorScheduler):
             awaited = AwaitedPrefill.parse(params)
             if awaited.remote_engine_id not in self._remote:
                 raise ValueError(f"kv_transfer_params name engine {awaited.remote_engine_id!r}, which this engine does not know")
+            if (awaited.remote_engine_id, awaited.remote_request_id) in self._awaited:  # its one reader is here
+                raise ValueError(
+                    f"kv_transfer_params: engine {awaited.remote_engine_id!r}'s request {awaited.remote_request_id!r} "
+                    "is awaited by another request here already (its KV is read once)"
+                )
             return
         prefill = RemotePrefill.parse(params)
         self._check(prefill, params, prompt_token_ids)
@@ -156,7 +168,30 @@ class PDScheduler(KVConnectorScheduler):
         if remote is None:
             raise ValueError(f"kv_transfer_params name engine {prefill.remote_engine_id!r}, which this engine does not know")
         num_remote_blocks = min(stage.num_blocks for stage in remote.stages)
-        prefill.check(params["sig"], remote.params_key, self.ctx.block_size, prompt_token_ids, num_remote_blocks)
+        now = time.time()
+        key, block_size = remote.params_key, self.ctx.block_size
+        prefill.check(params["sig"], key, block_size, prompt_token_ids, num_remote_blocks, self.engine_id, now)
+        for nonce in [n for n, expires_at in self._used_nonces.items() if expires_at < now]:
+            del self._used_nonces[nonce]  # expired: refused as such from now on
+        if prefill.nonce in self._used_nonces:
+            self.num_refused_replays += 1
+            raise ValueError(
+                f"kv_transfer_params (nonce {prefill.nonce}) were used here already: each handout is read once "
+                f"(engine {prefill.remote_engine_id!r} may have reused their blocks)"
+            )
+
+    def claim_kv_transfer_params(self, params: dict[str, Any]) -> None:
+        if self.role != "consumer":
+            return
+        if AwaitedPrefill.is_awaited(params):
+            awaited = AwaitedPrefill.parse(params)
+            self._awaited.add((awaited.remote_engine_id, awaited.remote_request_id))
+            return
+        try:
+            prefill = RemotePrefill.parse(params)
+        except (TypeError, ValueError):  # a multi-connector's params for another child
+            return
+        self._used_nonces[prefill.nonce] = prefill.expires_at
 
     def remote_output_token_ids(self, params: dict[str, Any]) -> list[int]:
         if self.role != "consumer" or AwaitedPrefill.is_awaited(params):
@@ -175,6 +210,7 @@ class PDScheduler(KVConnectorScheduler):
         done = RemotePrefill.parse(params)
         AwaitedPrefill.parse(request.kv_transfer_params).check_done(done)
         self._check(done, params, request.prompt_token_ids)
+        self._used_nonces[done.nonce] = done.expires_at
         self._first_token_at[request.request_id] = done.first_token_at
         self.num_early_handovers += 1
         return [done.first_token_id]
@@ -209,6 +245,7 @@ class PDScheduler(KVConnectorScheduler):
             how = {
                 "remote_block_ids": prefill.remote_block_ids[first : first + num_blocks],
                 "remote_ready_at": prefill.first_token_at,
+                "nonce": prefill.nonce,
             }
         self._unsent_transfers.append(
             BlockTransfer(
@@ -234,6 +271,7 @@ class PDScheduler(KVConnectorScheduler):
             BlockTransfer(
                 request.request_id, [], [],
                 remote_engine_id=prefill.remote_engine_id, remote_request_id=prefill.remote_request_id,
+                nonce=prefill.nonce if isinstance(prefill, RemotePrefill) else "",
             )  # fmt: skip
         )
         self.num_released_unpulled += 1
@@ -257,14 +295,22 @@ class PDScheduler(KVConnectorScheduler):
                             request.request_id, list(plan.block_ids[request.request_id][:num_blocks]), [],
                             remote_engine_id=decode_engine_id, remote_request_id=request.request_id,
                             num_tokens=request.num_prompt_tokens, num_ready_tokens=num_ready,
+                            nonce=self._nonce_of(request.request_id),
                         )  # fmt: skip
                     )
         transfers, self._unsent_transfers = self._unsent_transfers, []
         remote, self._unsent_remote = self._unsent_remote, []
-        return KVConnectorMetadata(loads=transfers, saves=ready, remote_engines=remote, handover_at=handover_at)
+        nonces, self._unsent_nonces = self._unsent_nonces, {}
+        return KVConnectorMetadata(
+            loads=transfers, saves=ready, remote_engines=remote, handover_at=handover_at, send_nonces=nonces
+        )
+
+    def _nonce_of(self, request_id: str) -> str:
+        """The nonce of this producer request's handout, made when first needed (a ready notice names it)."""
+        return self._nonces.setdefault(request_id, secrets.token_hex(16))
 
     def has_unsent_metadata(self) -> bool:
-        return bool(self._unsent_transfers or self._unsent_remote)
+        return bool(self._unsent_transfers or self._unsent_remote or self._unsent_nonces)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         pass
@@ -272,16 +318,21 @@ class PDScheduler(KVConnectorScheduler):
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.role == "consumer":
             self._release_unpulled(request)  # if it finished before it was ever scheduled
+            if AwaitedPrefill.is_awaited(request.kv_transfer_params):
+                awaited = AwaitedPrefill.parse(request.kv_transfer_params)
+                self._awaited.discard((awaited.remote_engine_id, awaited.remote_request_id))
             self._resolved.discard(request.request_id)
             self._first_token_at.pop(request.request_id, None)
             return False, None
         if not _is_producer_params(request.kv_transfer_params):
             return False, None
+        nonce = self._nonces.pop(request.request_id, None) or secrets.token_hex(16)
         if request.status is not RequestStatus.FINISHED_LENGTH or request.num_output_tokens != 1:
             return False, None  # stopped (the client's request is over there), aborted or failed
         num_blocks = -(-request.num_prompt_tokens // self.ctx.block_size)
         if num_blocks > len(block_ids):
             return False, None
+        now = time.time()
         prefill = RemotePrefill(
             self.engine_id,
             request.request_id,
@@ -289,10 +340,21 @@ class PDScheduler(KVConnectorScheduler):
             request.num_prompt_tokens,
             tokens_digest(request.prompt_token_ids),
             request.output_token_ids[0],
-            time.time(),
+            now,
+            consumer_engine_id=self._consumer_of(request.kv_transfer_params),
+            expires_at=now + self.ctx.pull_timeout_s,  # then the engine aborts the hold, frees the blocks
+            nonce=nonce,
         )
+        self._unsent_nonces[request.request_id] = nonce
         self.num_handed_out += 1
         return True, prefill.signed(self._params_key)
+
+    def _consumer_of(self, params: dict[str, Any]) -> str:
+        """The engine the params are handed to: the one the request names, else the only consumer this
+        engine knows, else "" (any engine that knows this one, once)."""
+        if (decode_engine_id := params.get(DECODE_ENGINE_ID)) is not None:
+            return decode_engine_id
+        return next(iter(self._remote)) if len(self._remote) == 1 else ""
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -304,6 +366,7 @@ class PDScheduler(KVConnectorScheduler):
             "pd_num_pulled_tokens": self.num_pulled_tokens,
             "pd_num_released_unpulled": self.num_released_unpulled,
             "pd_num_early_handovers": self.num_early_handovers,
+            "pd_num_refused_replays": self.num_refused_replays,
         }
 
 

@@ -9,14 +9,15 @@ Consumer: for each pull bound to the plan, the stage reads, from every
 producer stage holding some of its layers (`TransferTopology.sources_for`),
 those layers' blocks in ONE NIXL read per (request, producer stage): a
 descriptor list of block runs, K and V of every layer, consecutive blocks
-merged. Each read carries a notification "request|consumer pp_rank|readers"
-that the producer stage gets once the read is over. A pull is reported in
-`finished_recving` once all its reads ended; a failed read makes all of the
+merged. Each read carries a notification (`readers.notification`, naming
+the nonce of the params it reads under) that the producer stage gets once
+the read is over. A pull is reported in `finished_recving` once all its
+reads ended; a failed read makes all of the
 request's blocks invalid. The stage never waits for a read: `start_load_kv`
 posts them and `get_finished` polls them after each step, so a hung producer
 (a read whose completion never comes) delays no other request; the engine
 aborts its pull at `load_timeout_s`, and a read NIXL cannot stop then is
-abandoned at once (`_RELEASE_WAIT_S`) and freed once it ends. A pull that
+abandoned at once (`_RELEASE_WAIT_S`), its blocks quarantined until it ends. A pull that
 ended well reports its handover (`KVTransferStats.handover_s`): from the
 producer's first token (`BlockTransfer.remote_ready_at`) to the blocks being
 here. A release (nothing to pull) sends the notifications alone.
@@ -26,15 +27,22 @@ ready notices (`params.ReadyNotice`), each from `save_kv` right after a
 forward that computed a chunk of the prompt in its layers (on CUDA once that
 forward is done): every notice starts a read of the blocks it completed, and
 the one for the whole prompt carries the notification. A void notice (the
-producer preempted the request) makes every chunk be read again. Notices may
-arrive before the pull is bound: they wait up to `pull_timeout_s`, then the
-producer is told nobody reads (as for a pull that ended before its notice came).
+producer preempted the request) makes every chunk be read again, once the
+reads from that producer stage so far have ended (they would race the new
+ones on the same local blocks; one still running after `_RELEASE_WAIT_S`
+fails the pull). Notices may arrive before the pull is bound: they wait up
+to `pull_timeout_s`, then the producer is told nobody reads (as for a pull
+that ended before its notice came).
+
+A read NIXL cannot stop (`release` raises `TimeoutError`: it may still write)
+fails its pull, and its local blocks are quarantined
+(`get_quarantined_blocks`): the engine keeps them out of its free pool, and
+every step looks again, without waiting, until the read has ended; then they
+are reported released.
 
 Producer: a held request (`held_req_ids`) is reported in `finished_sending`
-once as many consumer stages as read this stage's layers have notified it
-(the count travels in the notification, so producers need not know the
-consumer's layout). Notifications may arrive before the hold does; ones for
-requests never held are dropped after `pull_timeout_s`.
+once every consumer stage that reads this stage's layers has notified it
+under the nonce of its handout (`send_nonces`; see `readers`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,8 @@ from asyncpp.kv_transfer.handshake import EngineHandshake, KVHandshakeMetadata, 
 from asyncpp.kv_transfer.metadata import BlockTransfer, KVConnectorMetadata, KVTransferStats
 from asyncpp.transport.nixl_agent import NixlTransport, TransferState, block_runs
 from asyncpp.kv_transfer.pd.params import ReadyNotice
+from asyncpp.kv_transfer.pd.quarantine import Quarantine
+from asyncpp.kv_transfer.pd.readers import HandoutReaders, notification, parse_notification
 from asyncpp.kv_transfer.pd.topology import TransferTopology
 from asyncpp.logging import get_logger
 
@@ -67,19 +77,8 @@ class _Pull:
     nbytes: int = 0
     awaited_ranks: set[int] = field(default_factory=set)  # on_ready: producer stages not done yet
     next_block: dict[int, int] = field(default_factory=dict)  # on_ready: producer stage -> its next prompt block to read
+    rank_handles: dict[int, list] = field(default_factory=dict)  # producer stage -> its reads (of `handles`)
     started_at: float = field(default_factory=time.perf_counter)
-
-
-def notification(remote_request_id: str, pp_rank: int, num_readers: int) -> bytes:
-    return f"{remote_request_id}|{pp_rank}|{num_readers}".encode()
-
-
-def parse_notification(msg: bytes) -> tuple[str, int, int] | None:
-    try:
-        request_id, pp_rank, num_readers = msg.decode().rsplit("|", 2)
-        return request_id, int(pp_rank), int(num_readers)
-    except ValueError:
-        return None
 
 
 class PDWorker(KVConnectorWorker):
@@ -97,9 +96,8 @@ class PDWorker(KVConnectorWorker):
         self._pulls: dict[str, _Pull] = {}
         self._finished_recving: set[str] = set()
         self._invalid_block_ids: set[int] = set()
-        self._held: set[str] = set()  # producer: held by the engine, not reported yet
-        self._readers: dict[str, dict[int, int]] = {}  # producer: request -> consumer pp_rank -> readers
-        self._first_notified_at: dict[str, float] = {}
+        self._quarantine = Quarantine(pp_rank)  # reads NIXL could not stop, and their blocks
+        self._handouts = HandoutReaders(ctx.pull_timeout_s, pp_rank)  # producer: held requests' readers
         # Consumer, early handover: remote request -> the local request whose pull awaits notices;
         # notices no pull awaits yet (remote request -> them, and when the first came); remote
         # requests whose pull ended (or was a release) before every notice came (until pull_timeout_s).
@@ -107,7 +105,8 @@ class PDWorker(KVConnectorWorker):
         self._early_notices: dict[str, list[ReadyNotice]] = {}
         self._early_since: dict[str, float] = {}
         self._dropped: dict[str, float] = {}
-        self._noticed: dict[str, str] = {}  # producer: request -> consumer engine told of some of its chunks
+        # Producer: request -> (the consumer engine told of some of its chunks, the handout's nonce).
+        self._noticed: dict[str, tuple[str, str]] = {}
         self._stats = KVTransferStats()
         self.log = get_logger(role="stage", pp_rank=pp_rank, connector="pd", kv_role=self.role)
 
@@ -169,7 +168,7 @@ class PDWorker(KVConnectorWorker):
         for handshake in metadata.remote_engines:
             self._add_remote(handshake)
         if self.role == "producer":
-            self._held.update(metadata.held_req_ids)
+            self._handouts.hold(metadata.held_req_ids, metadata.send_nonces)
         if self.transport is not None:
             self.transport.release_ended()  # abandoned reads that ended meanwhile (a producer resumed)
 
@@ -201,13 +200,13 @@ class PDWorker(KVConnectorWorker):
         """What tells that producer stage this stage is done with the request (sent again if the pull
         fails, so that it never waits for its timeout)."""
         engine_id = pull.transfer.remote_engine_id
-        notif = self._done_message(engine_id, remote_rank, pull.transfer.remote_request_id)
+        notif = self._done_message(engine_id, remote_rank, pull.transfer.remote_request_id, pull.transfer.nonce)
         pull.notifs.append((self._agents[(engine_id, remote_rank)], notif))
         return notif
 
-    def _done_message(self, engine_id: str, remote_rank: int, remote_request_id: str) -> bytes:
+    def _done_message(self, engine_id: str, remote_rank: int, remote_request_id: str, nonce: str) -> bytes:
         info = self.topology.get_engine_info(engine_id, remote_rank)
-        return notification(remote_request_id, self.pp_rank, self._readers_of(info))
+        return notification(remote_request_id, nonce, self.pp_rank, self._readers_of(info))
 
     def _read(
         self, pull: _Pull, remote_rank: int, layers: tuple[int, int], block_ids: list[int], remote_block_ids: list[int],
@@ -227,7 +226,9 @@ class PDWorker(KVConnectorWorker):
                 )  # fmt: skip
         if runs:
             device = info.regions[0]
-            pull.handles.append(self.transport.read(agent, runs, notif, device.is_cuda, device.device_id))
+            handle = self.transport.read(agent, runs, notif, device.is_cuda, device.device_id)
+            pull.handles.append(handle)
+            pull.rank_handles.setdefault(remote_rank, []).append(handle)
             pull.nbytes += sum(n for _, _, n in runs)
         elif notif:
             self.transport.send_notif(agent, notif)  # a release: nothing to read
@@ -273,6 +274,7 @@ class PDWorker(KVConnectorWorker):
         first = transfer.remote_first_block
         if notice.is_void:  # the producer computes the prompt again: so are its chunks read again
             pull.next_block[rank] = first
+            self._stop_reads(request_id, pull, rank)
             return
         try:
             num_blocks = -(-notice.num_tokens // self.ctx.block_size)
@@ -284,7 +286,9 @@ class PDWorker(KVConnectorWorker):
             start = pull.next_block[rank]
             if end > start or notice.is_complete:
                 sources = dict(self.topology.sources_for(transfer.remote_engine_id, self.start_layer, self.end_layer))
-                notif = self._done_message(notice.engine_id, rank, notice.request_id)
+                notif = self._done_message(notice.engine_id, rank, notice.request_id, notice.nonce)
+                agent = self._agents[(notice.engine_id, rank)]  # a failed pull tells this handout's readers
+                pull.notifs = [(a, n) if a != agent else (a, notif) for a, n in pull.notifs]
                 self._read(
                     pull, rank, sources[rank], transfer.block_ids[start - first : end - first],
                     notice.block_ids[start:end], notif if notice.is_complete else b"",
@@ -296,11 +300,22 @@ class PDWorker(KVConnectorWorker):
             self.log.warning("kv_pull_failed", request_id=request_id, error=repr(e))
             self._end_pull(request_id, failed=True)
 
+    def _stop_reads(self, request_id: str, pull: _Pull, rank: int) -> None:
+        """A void notice: the reads from that producer stage so far are superseded (its blocks are
+        freed there, the chunks come again into the same local blocks). Wait for them to end before
+        any new read targets those blocks; one NIXL cannot stop fails the pull (its blocks are
+        quarantined)."""
+        for handle in pull.rank_handles.pop(rank, []):
+            pull.handles.remove(handle)
+            if not self._quarantine.release(self.transport, handle, pull.transfer.block_ids, request_id):
+                self._end_pull(request_id, failed=True)
+                return
+
     def _release_remote(self, notice: ReadyNotice) -> None:
         """Tell the producer stage that this stage will not read its blocks for that request."""
         agent = self._agents.get((notice.engine_id, notice.pp_rank))
         if agent is not None:
-            self._notify(agent, self._done_message(notice.engine_id, notice.pp_rank, notice.request_id))
+            self._notify(agent, self._done_message(notice.engine_id, notice.pp_rank, notice.request_id, notice.nonce))
 
     def _expire_early_notices(self, now: float) -> None:
         for remote_request_id, since in list(self._early_since.items()):
@@ -322,20 +337,22 @@ class PDWorker(KVConnectorWorker):
             torch.cuda.current_stream().synchronize()  # the forward's writes are done before anyone reads
         for save in self.metadata.saves:
             notice = ReadyNotice(
-                self.ctx.engine_id, save.request_id, self.pp_rank, save.num_tokens, save.num_ready_tokens, save.block_ids
+                self.ctx.engine_id, save.request_id, save.nonce, self.pp_rank, save.num_tokens, save.num_ready_tokens,
+                save.block_ids,
             )  # fmt: skip
             self._send_notice(save.remote_engine_id, notice)
             if notice.is_complete:
                 self._noticed.pop(save.request_id, None)
             else:
-                self._noticed[save.request_id] = save.remote_engine_id
+                self._noticed[save.request_id] = (save.remote_engine_id, save.nonce)
 
     def handle_preemptions(self, preempted_req_ids: list[str]) -> None:
         """Producer: chunks told to consumers are void (their blocks are freed): they come again."""
         for request_id in preempted_req_ids:
-            engine_id = self._noticed.pop(request_id, None)
-            if engine_id is not None:
-                self._send_notice(engine_id, ReadyNotice(self.ctx.engine_id, request_id, self.pp_rank, 0, -1, []))
+            told = self._noticed.pop(request_id, None)
+            if told is not None:
+                engine_id, nonce = told
+                self._send_notice(engine_id, ReadyNotice(self.ctx.engine_id, request_id, nonce, self.pp_rank, 0, -1, []))
 
     def _send_notice(self, engine_id: str, notice: ReadyNotice) -> None:
         try:
@@ -349,6 +366,7 @@ class PDWorker(KVConnectorWorker):
         for request_id in finished_req_ids:  # finished (aborted) mid-prompt: no chunk of it comes again
             self._noticed.pop(request_id, None)
         sending = self._collect_notifications()
+        self._quarantine.retry(self.transport)
         for request_id in list(self._pulls):
             pull = self._pulls[request_id]
             states = [self.transport.poll(handle) for handle in pull.handles]
@@ -368,10 +386,7 @@ class PDWorker(KVConnectorWorker):
             if pull.awaited_ranks:  # notices still to come: answer them "not read"
                 self._dropped[remote_request_id] = time.monotonic()
         for handle in pull.handles:
-            try:
-                self.transport.release(handle)
-            except TimeoutError as e:  # a read NIXL cannot stop: its blocks may still be written
-                self.log.error("kv_pull_not_stopped", request_id=request_id, error=str(e))
+            if not self._quarantine.release(self.transport, handle, pull.transfer.block_ids, request_id):
                 failed = True
         if failed:
             self._invalid_block_ids.update(pull.transfer.block_ids)
@@ -387,6 +402,9 @@ class PDWorker(KVConnectorWorker):
                 handover_s=handover_s,
             )
         self._finished_recving.add(request_id)
+
+    def get_quarantined_blocks(self) -> tuple[list[int], list[int]]:
+        return self._quarantine.take()
 
     def _notify(self, agent: str, notif: bytes) -> None:
         try:
@@ -410,35 +428,19 @@ class PDWorker(KVConnectorWorker):
             if parsed is None or self.role != "producer":
                 self.log.warning("kv_bad_notification", message=msg[:100])
                 continue
-            request_id, pp_rank, num_readers = parsed
-            self._readers.setdefault(request_id, {})[pp_rank] = num_readers
-            self._first_notified_at.setdefault(request_id, now)
+            self._handouts.on_notification(*parsed, now)
         if self.role != "producer":
             self._expire_early_notices(now)
             return frozenset()
-        done = []
-        for request_id, readers in self._readers.items():
-            if request_id in self._held and len(readers) >= max(readers.values()):
-                done.append(request_id)
-        for request_id, at in self._first_notified_at.items():
-            if request_id not in self._held and now - at > self.ctx.pull_timeout_s:
-                done.append(request_id)  # never held here (finished elsewhere, or forged): drop it
-        for request_id in done:
-            self._readers.pop(request_id, None)
-            self._first_notified_at.pop(request_id, None)
-        sending = frozenset(r for r in done if r in self._held)
-        self._held -= sending
-        return sending
+        return self._handouts.take_done(now)
 
     def abort_transfers(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             if request_id in self._pulls:
                 self._end_pull(request_id, failed=True)
                 self._finished_recving.discard(request_id)  # the wrapper reports it
-            self._held.discard(request_id)
+            self._handouts.forget(request_id)
             self._noticed.pop(request_id, None)
-            self._readers.pop(request_id, None)
-            self._first_notified_at.pop(request_id, None)
 
     def get_block_ids_with_load_errors(self) -> frozenset[int]:
         invalid, self._invalid_block_ids = frozenset(self._invalid_block_ids), set()

@@ -58,6 +58,22 @@ def drain(producer: Engine, consumer: Engine, ids: list[str], max_steps: int = 5
     raise AssertionError("the engines did not drain")
 
 
+def finish(producer: Engine, consumer: Engine, ids: list[str], max_steps: int = 5000) -> dict[str, Completion]:
+    """As `drain`, but the consumer may keep blocks quarantined (a read that cannot be stopped): step
+    until its requests finished and the producer has nothing pending."""
+    done = {rid: Completion(rid) for rid in ids}
+    for _ in range(max_steps):
+        if all(c.finish_reason is not None for c in done.values()) and not (
+            producer.has_unfinished_requests() or producer.has_pending_transfers() or consumer.has_unfinished_requests()
+        ):
+            return done
+        for engine in (consumer, producer):
+            for out in engine.step():
+                if out.request_id in done:
+                    done[out.request_id].add(out)
+    raise AssertionError("the engines did not finish")
+
+
 def serve_pd(producer: Engine, consumer: Engine, prompts, params: SamplingParams) -> list[Completion]:
     """What a client gets: the producer's token and text, then the consumer's."""
     prefilled = prefill(producer, prompts, params=params)

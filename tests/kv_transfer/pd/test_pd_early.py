@@ -46,15 +46,10 @@ def test_chunked_prompts_are_read_chunk_by_chunk(tiny_hf_dir, prompts, expected,
         producer.step()  # the first chunk
         workers = [r.kv_connector.connector for r in consumer.executor.runners]
         first = chunk // 16  # whole blocks of the first chunk
-
-        def read_so_far() -> list[int]:
-            return [min(w._pulls[cid].next_block.values()) for w in workers]
-
-        deadline = time.monotonic() + 10.0
-        consumer.step()  # polls: its blocks are read (NIXL may deliver a stage's notice a poll later)
-        while read_so_far() != [first] * 3 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60  # polls until NIXL delivered every stage's notice: its blocks are read
+        while min(min(w._pulls[cid].next_block.values()) for w in workers) < first and time.monotonic() < deadline:
             consumer.step()
-        assert read_so_far() == [first] * 3
+        assert [min(w._pulls[cid].next_block.values()) for w in workers] == [first] * 3
         assert all(w._pulls[cid].awaited_ranks for w in workers)  # not done: more chunks come
         consumer.abort(cid)
         producer.abort(pid)
@@ -108,6 +103,9 @@ def test_bad_remote_prefill_params_fail_the_request_alone(tiny_hf_dir, prompts, 
     producer, consumer = pd_pair_early(tiny_hf_dir, 1, (), 1, ())
     try:
         pid, cid = start_early(producer, consumer, prompts[-1], GREEDY, "f")
+        awaited = {"do_remote_prefill": True, "remote_engine_id": "prefill", "remote_request_id": pid}
+        with pytest.raises(InvalidRequestError, match="awaited by another request"):  # its KV is read once
+            consumer.add_request(prompts[-1], GREEDY, "c-f2", awaited)
         other_pid, other_cid = start_early(producer, consumer, prompts[-2], GREEDY, "g")
         done, other = prefill_until_finished(producer, consumer, pid, other_pid)
         good = done.kv_transfer_params

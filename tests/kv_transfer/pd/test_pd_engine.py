@@ -3,10 +3,13 @@ equals one engine's, every block comes back on both sides, bad params fail alone
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from asyncpp.engine.engine import Engine
 from asyncpp.errors import InvalidRequestError
+from asyncpp.kv_transfer.pd.params import RemotePrefill, tokens_digest
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
 from tests.kv_transfer.pd.pd_harness import assert_idle, drain, pd_pair, prefill, serve_pd, serve_pd_early
@@ -87,30 +90,43 @@ def test_a_pull_from_a_gone_producer_fails_its_request_alone(tiny_hf_dir, prompt
 
 
 def test_forged_and_malformed_params_fail_alone(tiny_hf_dir, prompts, expected):
+    """Each malformed field, signed again with the producer's own key, reaches its own check."""
     producer, consumer = pd_pair(tiny_hf_dir, 2, (1, 3), 1, ())
     try:
         prompt = prompts[-1]
         [done] = prefill(producer, [prompt])
         good = done.kv_transfer_params
-        bad = {
-            "unknown engine": {**good, "remote_engine_id": "nobody"},
-            "block ids it does not own": {**good, "remote_block_ids": [b + 1 for b in good["remote_block_ids"]]},
-            "wrong types": {**good, "num_tokens": "96"},
-            "wrong token count": {**good, "num_tokens": good["num_tokens"] - 16},
-            "another first token": {**good, "first_token_id": good["first_token_id"] + 1},
-            "not a map": [1, 2],
-            "missing keys": {"remote_engine_id": "prefill"},
+        key = producer.kv_connector.engine_handshake().params_key
+
+        def signed(**changes):
+            fields = {name: value for name, value in {**good, **changes}.items() if name != "sig"}
+            return RemotePrefill(**fields).signed(key)
+
+        blocks = good["remote_block_ids"]
+        bad = {  # what -> (params, what the refusal says)
+            "not signed by the producer": ({**good, "first_token_id": good["first_token_id"] + 1}, "not signed"),
+            "a block missing": (signed(remote_block_ids=blocks[:-1]), "blocks of 16"),
+            "not the whole prompt": (signed(num_tokens=80, remote_block_ids=blocks[:5]), "whole prompt"),
+            "block ids outside its cache": (signed(remote_block_ids=[b + 10**6 for b in blocks]), "outside engine"),
+            "another prompt's tokens": (signed(tokens_sha256=tokens_digest(prompt[::-1])), "another prompt"),
+            "handed to another engine": (signed(consumer_engine_id="elsewhere"), "handed to engine 'elsewhere'"),
+            "expired": (signed(expires_at=time.time() - 1.0), "expired"),
+            "unknown engine": ({**good, "remote_engine_id": "nobody"}, "does not know"),
+            "wrong types": ({**good, "num_tokens": "96"}, "num_tokens must be"),
+            "a nonce that is not hex": (signed(nonce="a|b"), "nonce must be hex"),
+            "not a map": ([1, 2], "must be a map"),
+            "missing keys": ({"remote_engine_id": "prefill"}, "missing keys"),
         }
-        for what, params in bad.items():
-            with pytest.raises(InvalidRequestError, match="kv_transfer_params") as info:
+        for what, (params, says) in bad.items():
+            with pytest.raises(InvalidRequestError, match=says) as info:
                 consumer.add_request(prompt, GREEDY, kv_transfer_params=params)
             assert info.value.field == "kv_transfer_params", what
-        with pytest.raises(InvalidRequestError, match="another prompt"):
-            consumer.add_request([9] + prompt[1:], GREEDY, kv_transfer_params=good)
         with pytest.raises(InvalidRequestError, match="producer takes"):
             producer.add_request(prompt, GREEDY, kv_transfer_params={"do_remote_decode": "yes"})
-        # The good one still goes through, exactly.
+        # The good one still goes through, exactly, once.
         rid = consumer.add_request(prompt, GREEDY, kv_transfer_params=good)
+        with pytest.raises(InvalidRequestError, match="used here already"):
+            consumer.add_request(prompt, GREEDY, kv_transfer_params=signed())
         assert done.token_ids + drain(producer, consumer, [rid])[rid].token_ids == expected[-1]
         assert_idle(producer, consumer)
     finally:
