@@ -46,7 +46,7 @@ from asyncpp.kv_transfer.metadata import KVConnectorOutput, KVTransferStats
 from asyncpp.kv_transfer.registry import create_scheduler_connector, create_worker_connector
 from asyncpp.logging import get_logger
 from asyncpp.model.arch import ModelArch
-from asyncpp.samples import RecentSamples
+from asyncpp.samples import LatestPerKey
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.weights import read_arch
@@ -97,7 +97,7 @@ class EngineCore:
         )
         self.kv_connector = kv_connector
         self.kv_transfer_stats = KVTransferStats()
-        self.kv_handover_s = RecentSamples()  # remote KV ready -> in place on every stage, per request
+        self.kv_handover_s = LatestPerKey()  # remote KV ready -> in place on every stage, per request
         self.input_processor = InputProcessor(tokenizer, arch.vocab_size, capacity.max_model_len)
         self.output_processor = OutputProcessor(tokenizer)
         self._ids = itertools.count()
@@ -191,8 +191,8 @@ class EngineCore:
         merged = self.scheduler.merge_kv_outputs([o.kv_connector_output for o in outputs])
         stats = merged.stats
         if stats.handover_s:  # one sample per request (the latest stage's), not a running sum
-            for seconds in stats.handover_s.values():
-                self.kv_handover_s.add(seconds)
+            for request_id, seconds in stats.handover_s.items():
+                self.kv_handover_s.put(request_id, seconds)
             stats = dataclasses.replace(stats, handover_s={})
         self.kv_transfer_stats = self.kv_transfer_stats + stats
         return merged
