@@ -214,6 +214,8 @@ class AsyncClient:
             self._replies.pop(nonce, None)
 
     def close(self) -> None:
+        """Close the socket; an open `generate` ends with `RequestFailedError("closed", ...)`."""
+        self.end_all("the client was closed", "closed")
         for task in (self._reader, self._watcher):
             if task is not None:
                 task.cancel()

@@ -284,13 +284,14 @@ async def test_routers_in_front_of_the_same_engines_never_share_an_engine_reques
             tasks.append(asyncio.create_task(collect(client, request_id="same")))
             await until(lambda: len(pd.decode.received) == n, what=f"decode request {n}")
             await router.drain_and_stop(0.0)  # fails B's request for its client: B goes down
+            with pytest.raises(RequestFailedError, match="shutdown"):  # before its client closes (else it waits forever)
+                await asyncio.wait_for(tasks[-1], 10.0)
             await serving
             await router.close()
         finally:
             client.close()
     pd.decode.gate.set()
     assert await a == client_deltas("same")  # A's request was never disturbed
-    await asyncio.gather(*tasks, return_exceptions=True)
     ids = [msg.request_id for msg in pd.decode.received]
     assert len(set(ids)) == 3, ids
     assert [msg.request_id for msg in pd.prefill.received] == ids
