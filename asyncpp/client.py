@@ -73,6 +73,7 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
         self.refused: str | None = None  # why the engine refused our credentials, once it has
+        self._refusal: asyncio.Future | None = None  # done once it has
         # Errors about frames that named no request (the latest few).
         self.unrouted_errors: collections.deque[ErrorReply] = collections.deque(maxlen=64)
 
@@ -85,10 +86,26 @@ class AsyncClient:
         if self._watcher is None or self._watcher.done():
             self._watcher = loop.create_task(self._watch_refusal())
 
+    async def _put(self, msg: Any) -> None:
+        """Send `msg`; `ClientRefusedError` if the engine refused us (ZMQ then drops the connection, and a
+        send that has to wait would wait forever)."""
+        if self.refused is not None:
+            raise ClientRefusedError(self.refused)
+        if self._refusal is None:
+            self._refusal = asyncio.get_running_loop().create_future()
+        put = asyncio.ensure_future(self._queue.put(msg))
+        await asyncio.wait({put, self._refusal}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():
+            put.cancel()
+            raise ClientRefusedError(self.refused)
+        put.result()
+
     async def _watch_refusal(self) -> None:
         """Credentials the engine refuses: end every call at once instead of letting it wait forever."""
         reason = await self._queue.refused()
         self.refused = f"the engine at {self.address} refused this client's credentials ({reason})"
+        if self._refusal is not None and not self._refusal.done():
+            self._refusal.set_result(None)
         for stream in self._streams.values():
             stream.put(_Ended("forbidden", self.refused))
         for fut in self._replies.values():
@@ -137,7 +154,7 @@ class AsyncClient:
         try:
             msg = GenerateRequest(request_id, prompt, params, kv_transfer_params)
             try:
-                await self._queue.put(msg)
+                await self._put(msg)
             except FrameTooLargeError as e:
                 finished = True  # never sent
                 field = _largest_field(msg)
@@ -162,17 +179,17 @@ class AsyncClient:
             self._streams.pop(request_id, None)
             if not finished:  # the caller broke out or was cancelled: free it in the engine
                 try:
-                    await self._queue.put(AbortRequest(request_id))
+                    await self._put(AbortRequest(request_id))
                 except Exception:  # noqa: BLE001 - the socket may be closed already
                     pass
 
     async def abort(self, request_id: str) -> None:
-        await self._queue.put(AbortRequest(request_id))
+        await self._put(AbortRequest(request_id))
 
     async def remote_prefill_done(self, request_id: str, kv_transfer_params: dict[str, Any]) -> None:
         """A running request that awaits a remote prefill: that engine's params (its first token).
         A refusal ends the request's `generate` with an error."""
-        await self._queue.put(RemotePrefillDone(request_id, kv_transfer_params))
+        await self._put(RemotePrefillDone(request_id, kv_transfer_params))
 
     def end_all(self, message: str, kind: str = "shutdown") -> None:
         """End every open `generate` with `RequestFailedError(kind, message)`, aborting its request
@@ -207,7 +224,7 @@ class AsyncClient:
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
         self._replies[nonce] = fut
-        await self._queue.put(make(nonce))
+        await self._put(make(nonce))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:

@@ -7,6 +7,7 @@ the protocol without moving KV) so that it is tested whatever the state of the r
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -119,25 +120,31 @@ async def test_a_deployment_with_a_client_secret_serves_its_own_clients_and_no_o
         client, stranger = AsyncClient(pd.address, secret=secret), AsyncClient(pd.address)
         direct: list[AsyncClient] = []
         try:
-            assert len([t async for d in client.generate(prompts[0], GREEDY) for t in d.token_ids]) == 16
-            with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
-                await stranger.health(timeout_s=30)
-            engines = (await client.stats())["pd_engines"]
-            for role in ("prefill", "decode"):
-                direct.append(AsyncClient(engines[role]["address"], secret=secret))
-                assert await direct[-1].health()
-                with pytest.raises(RuntimeError, match="KVHandshakeRequest needs the engine role"):
-                    await direct[-1].kv_handshake(timeout_s=30)
-                with pytest.raises(RuntimeError, match="AddRemoteEngine needs the engine role"):
-                    await direct[-1].add_remote_engine(EngineHandshake("evil", 1), timeout_s=30)
-            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
-                body = {"model": "tiny", "prompt": prompts[1], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-                assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 16
-            # Still serving after all that: the refusals cost nobody else anything.
-            assert len([t async for d in client.generate(prompts[2], GREEDY) for t in d.token_ids]) == 16
+            async with asyncio.timeout(120):  # a call that never ends fails here, with its stack
+                await _serves_its_own_only(pd, client, stranger, direct, prompts, secret, http_port)
         finally:
             for c in (client, stranger, *direct):
                 c.close()
+
+
+async def _serves_its_own_only(pd, client, stranger, direct, prompts, secret, http_port) -> None:
+    """What a deployment with a client secret must do, each call bounded by the caller's timeout."""
+    assert len([t async for d in client.generate(prompts[0], GREEDY) for t in d.token_ids]) == 16
+    with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
+        await stranger.health(timeout_s=30)
+    engines = (await client.stats())["pd_engines"]
+    for role in ("prefill", "decode"):
+        direct.append(AsyncClient(engines[role]["address"], secret=secret))
+        assert await direct[-1].health()
+        with pytest.raises(RuntimeError, match="KVHandshakeRequest needs the engine role"):
+            await direct[-1].kv_handshake(timeout_s=30)
+        with pytest.raises(RuntimeError, match="AddRemoteEngine needs the engine role"):
+            await direct[-1].add_remote_engine(EngineHandshake("evil", 1), timeout_s=30)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
+        body = {"model": "tiny", "prompt": prompts[1], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        assert (await http.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"] == 16
+    # Still serving after all that: the refusals cost nobody else anything.
+    assert len([t async for d in client.generate(prompts[2], GREEDY) for t in d.token_ids]) == 16
 
 
 def test_a_bad_override_exits_2_naming_its_engine(tmp_path, tiny_hf_dir, capsys):

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from asyncpp.client import AsyncClient, ClientRefusedError
 from asyncpp.wire.client_auth import CLIENT, ENGINE, ClientAccess, is_loopback_address, new_secret
 from asyncpp.wire.client_msgs import HealthRequest
 from asyncpp.wire.queues import DealerQueue, RouterQueue
@@ -73,4 +74,21 @@ async def test_roles_over_sockets():
             finally:
                 dealer.close()
     finally:
+        router.close()
+
+
+async def test_a_refused_client_fails_its_calls_even_once_zmq_dropped_its_connection():
+    """Refused, ZMQ drops the connection: a send then waits for one that never comes. Every call of
+    the client must still end at once with `ClientRefusedError`, whenever it is made."""
+    router = RouterQueue("tcp://127.0.0.1:0", 1 << 20, ClientAccess("c-secret"))
+    stranger = AsyncClient(router.address, secret="wrong")
+    try:
+        await asyncio.sleep(1.0)  # the handshake fails meanwhile (no call has been made yet)
+        for _ in range(2):
+            with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
+                await asyncio.wait_for(stranger.health(timeout_s=60), 20.0)
+            with pytest.raises(ClientRefusedError):
+                await asyncio.wait_for(anext(aiter(stranger.generate("hi", {"max_tokens": 1}))), 20.0)
+    finally:
+        stranger.close()
         router.close()
