@@ -16,6 +16,21 @@ from asyncpp.sampling.params import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
+# Prompts with more characters than this to tokenize (a text's, or a chat's contents') are tokenized
+# on an executor thread, off the serving loop (the engine's client port, the HTTP front end).
+OFF_LOOP_TOKENIZE_CHARS = 20000
+
+
+def tokenizes_off_loop(prompt: Any) -> bool:
+    """Whether tokenizing `prompt` is slow enough to run off the loop."""
+    if isinstance(prompt, str):
+        num_chars = len(prompt)
+    elif isinstance(prompt, list):
+        num_chars = sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
+    else:
+        num_chars = 0
+    return num_chars > OFF_LOOP_TOKENIZE_CHARS
+
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int) -> None:

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from asyncpp.client import AsyncClient
-from asyncpp.engine.input_processor import InputProcessor
+from asyncpp.engine.input_processor import InputProcessor, tokenizes_off_loop
 from asyncpp.errors import InvalidRequestError
 from asyncpp.http.errors import ApiError, bad_request, engine_error, install_handlers, invalid
 from asyncpp.http.formatter import Formatter, token_string
@@ -44,8 +44,6 @@ from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import RequestDelta
 
-# Prompts longer than this (characters) are tokenized on an executor thread, off the loop.
-OFF_LOOP_TOKENIZE_CHARS = 20000
 # Bodies are read up to max(this, 4 x the engine's frame limit): room for any prompt that can fit.
 MIN_MAX_BODY_BYTES = 32 * 1024 * 1024
 
@@ -162,11 +160,7 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
         return await serve(request, req, prompt_ids, params, True, rename)
 
     async def tokenize(prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
-        if isinstance(prompt, str):
-            num_chars = len(prompt)
-        else:
-            num_chars = sum(len(m["content"]) for m in prompt if isinstance(m, dict))
-        if num_chars > OFF_LOOP_TOKENIZE_CHARS:  # (one that cannot fit is refused by its length at once)
+        if tokenizes_off_loop(prompt):  # (one that cannot fit is refused by its length at once)
             return await asyncio.get_running_loop().run_in_executor(None, processor.tokenize, prompt)
         return processor.tokenize(prompt)
 

@@ -25,6 +25,7 @@ from typing import Any
 from asyncpp.core.request import RequestStatus
 from asyncpp.engine.compute_plan import ComputePlan, compute_stats
 from asyncpp.engine.engine import EngineCore
+from asyncpp.engine.input_processor import tokenizes_off_loop
 from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.errors import InvalidRequestError
 from asyncpp.logging import get_logger
@@ -46,8 +47,6 @@ from asyncpp.wire.client_msgs import (
 )
 from asyncpp.wire.queues import RouterQueue
 
-# Prompts longer than this (characters) are tokenized on an executor thread, off the loop.
-OFF_LOOP_TOKENIZE_CHARS = 20000
 
 
 class EngineServer:
@@ -142,7 +141,7 @@ class EngineServer:
 
     # ---- requests (`RequestSink`) ----------------------------------------------------------
     def is_slow(self, msg: GenerateRequest) -> bool:
-        return _prompt_chars(msg.prompt) > OFF_LOOP_TOKENIZE_CHARS
+        return tokenizes_off_loop(msg.prompt)
 
     async def add_request(self, msg: GenerateRequest) -> None:
         if self.is_dead:
@@ -275,15 +274,6 @@ class EngineServer:
         if self.compute_plan is None:
             return {}
         return compute_stats(self.compute_plan, [ready.weight_nbytes for ready in self.stages.readies])
-
-
-def _prompt_chars(prompt: Any) -> int:
-    """Characters to tokenize: a text's, or a chat's contents'."""
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        return sum(len(m.get("content", "")) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return 0
 
 
 def _percentile(values, q: float) -> float | None:

@@ -1,0 +1,15 @@
+"""`tokenizes_off_loop`: the one rule the engine's client port and the HTTP front end share for which
+prompts are tokenized on an executor thread."""
+
+from asyncpp.engine.input_processor import OFF_LOOP_TOKENIZE_CHARS, tokenizes_off_loop
+
+
+def test_texts_and_chat_contents_past_the_bound_go_off_the_loop():
+    n = OFF_LOOP_TOKENIZE_CHARS
+    assert not tokenizes_off_loop("x" * n) and tokenizes_off_loop("x" * (n + 1))
+    half = {"role": "user", "content": "x" * (n // 2)}
+    assert not tokenizes_off_loop([half, half])
+    assert tokenizes_off_loop([half, half, {"role": "user", "content": "x"}])  # contents add up
+    assert not tokenizes_off_loop([{"role": "user", "content": None}, {"role": "user"}])  # no text: nothing to count
+    assert not tokenizes_off_loop(list(range(n + 1)))  # token ids need no tokenizing
+    assert not tokenizes_off_loop(None)
