@@ -18,15 +18,15 @@ machine or network off the port; it does not hide the traffic.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import itertools
 import secrets
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from asyncpp.config import is_loopback
+
 CLIENT = "client"
 ENGINE = "engine"
-ROLES = (CLIENT, ENGINE)
 _domains = itertools.count()
 
 
@@ -69,14 +69,7 @@ class ClientAccess:
 
 
 def is_loopback_address(address: str) -> bool:
-    """For "tcp://HOST:PORT" (and "ipc://", "inproc://", which stay on the machine)."""
+    """For "tcp://HOST:PORT" (and "ipc://", "inproc://", which stay on the machine); "*", an interface or
+    a host name are not known to be loopback."""
     parts = urlsplit(address)
-    if parts.scheme != "tcp":
-        return True
-    host = parts.hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # "*", an interface or host name: not known to be loopback
-        return False
+    return parts.scheme != "tcp" or is_loopback(parts.hostname or "")

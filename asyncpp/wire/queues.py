@@ -34,9 +34,6 @@ from asyncpp.wire.loop_socket import LoopSocket
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 
-_REFUSAL_CODES = {int(e) for e in zmq.Event if e & REFUSAL_EVENTS}
-
-
 class FrameTooLargeError(ValueError):
     """A message whose frame is over the limit of the socket it was for; it was not sent."""
 
@@ -232,7 +229,7 @@ class DealerQueue:
         frame of ours in, so the caller must not wait for replies after this)."""
         while True:
             event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] in _REFUSAL_CODES:
+            if event["event"] & REFUSAL_EVENTS:  # (not the monitor's own stop)
                 return refusal_reason(event["event"])
 
     def close(self) -> None:
