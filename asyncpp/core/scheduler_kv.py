@@ -19,7 +19,9 @@ its deadline (`load_timeout_s` / `save_timeout_s` of the connector's
 context) is aborted: the next plan names it (`aborted_req_ids`), every stage
 stops it and reports it failed, a load's blocks are recomputed (or, with the
 connector's `load_failure_policy` "fail", its request fails, saying so) and
-a send's writes are not trusted. A connector that keeps answering "ask again later"
+a send's writes are not trusted. A send nobody will read (the token its params
+carry ended the answer at a stop string) is aborted the same way at once
+(`withdraw_send`). A connector that keeps answering "ask again later"
 for a request is not asked again past `load_timeout_s` (its prefix is
 computed), and never holds up the requests behind it. Once nothing is
 pending, `has_pending_transfers` is False and the engine stops polling.
@@ -304,6 +306,17 @@ class KVTransferScheduling:
         self._held[request_id] = request
         self._unsent_held.append(request_id)
         self._send_deadlines[request_id] = self._clock() + self.connector.send_timeout_s
+
+    def withdraw_send(self, request_id: str) -> bool:
+        """Nobody will read what a finished request's params hand out (its answer ended at the token
+        they carry: a stop string): the next plan aborts its send on every stage, which frees its
+        blocks once all have reported, not at the send deadline. False if it is not held."""
+        if request_id not in self._held:
+            return False
+        self._send_deadlines.pop(request_id, None)
+        if request_id not in self._unsent_aborted:
+            self._unsent_aborted.append(request_id)
+        return True
 
     def _build_connector_meta(self, step: StepBuilder) -> KVConnectorMetadata:
         self._expire_transfers()

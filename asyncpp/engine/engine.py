@@ -232,11 +232,22 @@ class EngineCore:
             if out.finished and update.finish_reason is None:  # a stop string ended it
                 for request in self.scheduler.finish_requests([update.request_id], RequestStatus.FINISHED_STOPPED):
                     out = dataclasses.replace(out, kv_transfer_params=request.finished_kv_transfer_params)
+            elif out.finish_reason != update.finish_reason and out.kv_transfer_params is not None:
+                # a stop string in the token the scheduler finished it at (and handed out params for)
+                out = self._withdraw_handout(out)
             if out.finished:
                 self.log.info("request_finished", request_id=out.request_id, finish_reason=out.finish_reason)
             results.append(out)
         return results
 
+
+    def _withdraw_handout(self, out: RequestOutput) -> RequestOutput:
+        """The token a prefill hands out (the scheduler finished it at max_tokens, params made) ends
+        at a stop string: the request is over here, as on one engine. No params leave the engine,
+        and the blocks held for them are freed now."""
+        self.scheduler.withdraw_send(out.request_id)
+        self.log.info("kv_handout_withdrawn", request_id=out.request_id, stop_reason=out.stop_reason)
+        return dataclasses.replace(out, kv_transfer_params=None)
 
     def kv_stats(self) -> dict[str, Any]:
         """KV connector counters for `stats()`: transfers summed over stages, the connector's own."""

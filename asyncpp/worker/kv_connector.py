@@ -69,7 +69,7 @@ class KVConnectorWrapper:
         self.ledger.bind(metadata)
         connector.bind_connector_metadata(metadata)
         if metadata.aborted_req_ids:
-            self._abort(metadata.aborted_req_ids, plan.step_id, "deadline")
+            self._abort(metadata.aborted_req_ids, plan.step_id, "engine")  # past its deadline, or a handout withdrawn
         try:
             if plan.preempted_req_ids:
                 connector.handle_preemptions(plan.preempted_req_ids)

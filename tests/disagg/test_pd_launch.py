@@ -8,6 +8,7 @@ the protocol without moving KV) so that it is tested whatever the state of the r
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ from asyncpp.kv_transfer.handshake import EngineHandshake
 from asyncpp.kv_transfer.registry import connector_classes
 from asyncpp.sampling.params import SamplingParams
 from tests.conftest import tiny_config, tiny_prompts
+from tests.http.test_openai_server import metric_values
 from tests.runtime.conftest import collect, collect_all, wait_until
 from tests.runtime.harness import launched, pid_alive, tiny_sections
 
@@ -193,3 +195,66 @@ async def test_pd_connector_equals_one_engine(tmp_path, tiny_hf_dir, prompts, on
     assert stats["decode"]["kv_num_handovers"] == len(prompts)
     assert stats["decode"]["num_external_prefix_hit_tokens"] > 0  # KV came from the prefill engine
     assert not any("Traceback" in line for line in pd.output), "".join(pd.output[-40:])
+
+
+@pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
+@pytest.mark.parametrize("handover", ["early", "after_prefill"])
+async def test_a_stop_string_in_the_first_token_ends_the_request_as_on_one_engine(tmp_path, tiny_hf_dir, prompts, handover):
+    """The prefill engine's token completes a stop string: a 200 with "" and finish_reason "stop",
+    streamed or not, chat or completion; nothing fails, nothing stays held on either engine, and
+    the next request is served."""
+    http_port = free_port()
+    sections = pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 60.0},
+                           server={"http_port": http_port, "served_model_name": "tiny"})  # fmt: skip
+    sections["disagg"]["handover"] = handover
+    with launched(tmp_path, sections) as pd:
+        client = AsyncClient(pd.address)
+        try:
+            async with asyncio.timeout(120), httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
+                await _stops_at_the_first_token(http, client, TEXTS)
+        finally:
+            client.close()
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, who are you?", "Once upon a time", "1, 2, 3,",
+         "What is the capital of France?", "Tell me a story.", "abc", "Paris is"]  # fmt: skip
+
+
+async def _stops_at_the_first_token(http: httpx.AsyncClient, client: AsyncClient, prompts: list[str]) -> None:
+    greedy = {"model": "tiny", "temperature": 0}
+    cases = []
+    for prompt in prompts:  # the first token's text, for a completion and for a chat
+        for path, key, body in (("/v1/completions", "text", {"prompt": prompt}),
+                                ("/v1/chat/completions", "message", {"messages": [{"role": "user", "content": prompt}]})):  # fmt: skip
+            reply = (await http.post(path, json={**greedy, **body, "max_tokens": 1})).json()["choices"][0]
+            first = reply["text"] if key == "text" else reply["message"]["content"]
+            if first.strip() and first.isascii():  # a whole character (the tiny tokenizer's tokens are bytes)
+                cases.append((path, body, first.strip()))
+    assert {path for path, _, _ in cases} == {"/v1/completions", "/v1/chat/completions"}, cases
+    for path, body, stop in cases[:4]:
+        reply = await http.post(path, json={**greedy, **body, "max_tokens": 30, "stop": [stop]})
+        assert reply.status_code == 200, reply.text
+        choice = reply.json()["choices"][0]
+        text = choice["text"] if "text" in choice else choice["message"]["content"]
+        assert (text, choice["finish_reason"]) == ("", "stop"), reply.json()
+        async with http.stream("POST", path, json={**greedy, **body, "max_tokens": 30, "stop": [stop], "stream": True}) as events:
+            assert events.status_code == 200
+            lines = [line async for line in events.aiter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(line[6:]) for line in lines[:-1]]
+        assert lines[-1] == "data: [DONE]" and not any("error" in c for c in chunks), lines
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop", lines
+    normal = await http.post("/v1/completions", json={**greedy, "prompt": prompts[0], "max_tokens": 16, "ignore_eos": True})
+    assert normal.json()["usage"]["completion_tokens"] == 16
+    stats = await client.stats()
+    assert stats["pd_num_failed"] == 0 and stats["pd_num_finished"] == 2 * len(cases[:4]) + 2 * len(prompts) + 1
+
+    def idle(s) -> bool:
+        return all(e["num_running"] == e["num_waiting"] == e["num_held_for_transfer"] == e["kv_usage"] == 0
+                   for e in (s["prefill"], s["decode"]))  # fmt: skip
+
+    deadline = time.monotonic() + 10  # well under pull_timeout_s: nothing may wait for it
+    while not idle(stats := await client.stats()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert idle(stats), stats
+    metrics = metric_values((await http.get("/metrics")).text)
+    assert metrics["vllm:num_requests_running"] == metrics["vllm:kv_cache_usage_perc"] == 0, metrics

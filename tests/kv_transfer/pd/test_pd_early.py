@@ -81,6 +81,28 @@ def test_a_request_stopped_at_its_first_token_aborts_nothing_held(tiny_hf_dir, p
         producer.close()
 
 
+def test_a_stop_string_in_the_first_token_ends_the_request_nothing_held(tiny_hf_dir, prompts, expected):  # noqa: F811
+    """The prefill's token completes a stop string (found after the scheduler finished it at its one
+    token): the producer hands out no params and frees its blocks although the consumer read them
+    meanwhile; the router aborts the decode request. Nothing waits for a timeout; both serve on."""
+    producer, consumer = pd_pair_early(tiny_hf_dir, 2, (3, 1), 2, (1, 3), kv_transfer={"pull_timeout_s": 60.0})
+    try:
+        stop = producer.tokenizer.decode(expected[-1][:1], skip_special_tokens=True).strip()
+        assert stop, "the last prompt's first token has no text to stop at"
+        params = SamplingParams(max_tokens=12, temperature=0.0, stop=[stop])
+        pid, cid = start_early(producer, consumer, prompts[-1], params, "s")
+        done = prefill_until_finished(producer, consumer, pid)
+        assert (done.finish_reason, done.stop_reason, done.kv_transfer_params) == ("stop", stop, None)
+        consumer.abort(cid)
+        drain(producer, consumer, [])
+        assert producer.scheduler.num_timed_out_transfers == consumer.scheduler.num_timed_out_transfers == 0
+        assert_idle(producer, consumer)
+        assert [c.token_ids for c in serve_pd_early(producer, consumer, prompts[-2:], GREEDY)] == expected[-2:]
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_abort_while_awaiting_frees_blocks_on_both_sides(tiny_hf_dir, prompts, expected):  # noqa: F811
     """The client goes while the prefill runs: the decode request is aborted before any notice, the
     prefill finishes and holds its blocks; the consumer's stages answer the late notices, so the

@@ -323,3 +323,26 @@ def test_without_nixl_the_engine_does_not_start(tiny_hf_dir, monkeypatch):
     kv = {"connector": "pd", "kv_role": "producer", "engine_id": "prefill"}
     with pytest.raises(ConfigError, match=r"kv_transfer.connector = 'pd'.*asyncpp\[pd\]"):
         Engine(tiny_config(tiny_hf_dir, kv_transfer=kv))
+
+
+@pytest.mark.parametrize("pp", [1, 2], ids=["pp1", "pp2"])
+def test_a_stop_string_in_the_first_token_hands_out_nothing(tiny_hf_dir, prompts, expected, pp):
+    """The scheduler finishes the prefill at max_tokens 1 and hands out params; the output processor
+    then finds a stop string in that token's text. The request is over there, as on one engine: no
+    params leave the engine, and the blocks held for them come back at once, not at the timeout."""
+    producer, consumer = pd_pair(tiny_hf_dir, pp, (3, 1) if pp == 2 else (), 1, (), kv_transfer={"pull_timeout_s": 60.0})
+    try:
+        i = next(i for i, ids in enumerate(expected) if _text(producer, ids[:1]).strip())
+        stop = _text(producer, expected[i][:1]).strip()
+        params = SamplingParams(max_tokens=12, temperature=0.0, stop=[stop])
+        [done] = prefill(producer, [prompts[i]], params=params)
+        assert (done.finish_reason, done.stop_reason, done.kv_transfer_params) == ("stop", stop, None)
+        drain(producer, consumer, [])
+        assert producer.scheduler.num_timed_out_transfers == 0
+        assert_idle(producer, consumer)
+        [again] = serve_pd(producer, consumer, [prompts[i]], GREEDY)  # and it serves on
+        assert again.token_ids == expected[i]
+        assert_idle(producer, consumer)
+    finally:
+        consumer.close()
+        producer.close()
