@@ -237,27 +237,35 @@ class ClientPort:
 
     async def deliver(self, outputs: list[RequestOutput]) -> None:
         """Send one step's deltas: one `RequestDeltas` frame per client, under the client's ids."""
-        by_peer: dict[bytes, tuple[list[RequestOutput], list[str]]] = {}
+        by_peer: dict[bytes, list[RequestOutput]] = {}
+        finished: list[str] = []
         for out in outputs:
             peer = self.peer_of.get(out.request_id)
             if peer is None:
                 continue
-            peer_outputs, client_ids = by_peer.setdefault(peer, ([], []))
-            peer_outputs.append(out)
-            client_ids.append(self.ids.client_id(out.request_id))
             if out.finished:
-                self._end(out.request_id)
+                del self.peer_of[out.request_id]
+                finished.append(out.request_id)
+            by_peer.setdefault(peer, []).append(out)
+        derived = self.ids.derived
+        frames = [(peer, _under_client_ids(RequestDeltas.of(outs), derived)) for peer, outs in by_peer.items()]
+        for engine_id in finished:  # once their frames name them as their clients do
+            self.ids.release(engine_id)
         gone: list[bytes] = []
-        for peer, (peer_outputs, client_ids) in by_peer.items():
-            frame = RequestDeltas.of(peer_outputs)
-            if frame.request_ids != client_ids:  # some have derived engine ids
-                frame = dataclasses.replace(frame, request_ids=client_ids)
+        for peer, frame in frames:
             try:
                 await self.router.put(peer, frame)
             except PeerGoneError:
                 gone.append(peer)
         for peer in gone:
             self.drop_peer(peer)
+
+
+def _under_client_ids(frame: RequestDeltas, derived: dict[str, str]) -> RequestDeltas:
+    """The frame with each derived engine id replaced by its client's id (most steps have none)."""
+    if not derived or not any(engine_id in derived for engine_id in frame.request_ids):
+        return frame
+    return dataclasses.replace(frame, request_ids=[derived.get(i, i) for i in frame.request_ids])
 
 
 def _client_context(engine_id: str, client_id: str) -> contextlib.AbstractContextManager:

@@ -36,6 +36,7 @@ class RequestIds:
     def __init__(self) -> None:
         self._engine_ids: dict[tuple[bytes, str], str] = {}  # live (client, its id) -> engine id
         self._clients: dict[str, tuple[bytes, str]] = {}  # reserved engine id -> (client, its id)
+        self.derived: dict[str, str] = {}  # reserved engine id -> its client's id, where they differ (few)
         self._num_derived = itertools.count(1)
 
     def __len__(self) -> int:
@@ -64,6 +65,8 @@ class RequestIds:
             engine_id = f"{request_id}@{next(self._num_derived)}"
         self._engine_ids[(peer, request_id)] = engine_id
         self._clients[engine_id] = (peer, request_id)
+        if engine_id != request_id:
+            self.derived[engine_id] = request_id
         return engine_id
 
     def detach(self, engine_id: str) -> None:
@@ -76,3 +79,4 @@ class RequestIds:
         """The request is over: its engine id is free again (once the engine holds it no longer)."""
         self.detach(engine_id)
         self._clients.pop(engine_id, None)
+        self.derived.pop(engine_id, None)
