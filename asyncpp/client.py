@@ -5,10 +5,13 @@
         print(delta.text, end="")
 
 Many `generate` calls can run concurrently over one client: a single reader
-task routes replies by request id. Breaking out of the loop, or cancelling the
-task, aborts the request in the engine, and so does `end_all`. A request whose
-frame would be over `max_frame_bytes` (the engine's `server.max_frame_bytes`)
-is refused here, naming its largest field, instead of being sent.
+task routes replies by request id. Request ids are this client's own: another
+client may use the same id at once (on one engine as behind the PD router);
+this one may not reuse an id it has live (`InvalidRequestError`, here and in
+the engine). Breaking out of the loop, or cancelling the task, aborts the
+request in the engine, and so does `end_all`. A request whose frame would be
+over `max_frame_bytes` (the engine's `server.max_frame_bytes`) is refused
+here, naming its largest field, instead of being sent.
 
 An engine whose port has `server.client_secret` serves only clients that
 present it (`secret`); the KV handshake calls need the engine role

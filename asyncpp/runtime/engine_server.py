@@ -143,6 +143,9 @@ class EngineServer:
     def is_slow(self, msg: GenerateRequest) -> bool:
         return tokenizes_off_loop(msg.prompt)
 
+    def has_request(self, request_id: str) -> bool:
+        return self.core.has_request(request_id)
+
     async def add_request(self, msg: GenerateRequest) -> None:
         if self.is_dead:
             raise RequestRefused("engine is dead", "engine_dead")

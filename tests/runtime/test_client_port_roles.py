@@ -38,6 +38,9 @@ class SlowSink:
     def is_slow(self, msg: GenerateRequest) -> bool:
         return msg.prompt == "slow"
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.taken and request_id not in self.aborted
+
     async def add_request(self, msg: GenerateRequest) -> None:
         if msg.prompt == "refuse":
             raise RequestRefused("no thanks", field="prompt")
@@ -111,7 +114,7 @@ async def test_a_slow_request_is_taken_beside_the_port_and_an_abort_cancels_it(p
         assert await reply(client) == HealthReply(1, True)  # answered while "a" is being taken
         assert list(port.taking) == ["a"] and sink.taken == []
         await client.put(GenerateRequest("a", "slow"))
-        assert await reply(client) == ErrorReply("a", "duplicate request id 'a'")
+        assert await reply(client) == ErrorReply("a", "duplicate request id 'a'", "invalid_request", "request_id")
         await other.put(AbortRequest("a"))  # not its request: nothing happens
         await other.put(HealthRequest(2))
         assert await reply(other) == HealthReply(2, True)
