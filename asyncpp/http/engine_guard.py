@@ -40,7 +40,7 @@ class EngineGuard:
         self.on_fatal = on_fatal  # the server stops: its engine is gone for good
         self.state = CONNECTING
         self.reason = f"no engine reached at {client.address} yet"  # why not SERVING
-        self._serving = asyncio.Event()
+        self._changed = asyncio.Event()  # replaced at each change of state: waiters wake
         self._verifying: asyncio.Task | None = None
         self.log = get_logger(role="http")
 
@@ -58,15 +58,16 @@ class EngineGuard:
 
     async def serves_within(self, timeout_s: float) -> bool:
         """Whether the engine may be sent requests, now or within `timeout_s` (one being checked)."""
-        if self.state == SERVING:
-            return True
-        if self.state == FOREIGN or self.client.refused is not None:
-            return False
-        try:
-            await asyncio.wait_for(self._serving.wait(), timeout_s)
-            return True
-        except TimeoutError:
-            return False
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.state != SERVING:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if self.state == FOREIGN or self.client.refused is not None or remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
 
     async def admit(self) -> None:
         """Return once a request may go to the engine; a 503 if it cannot within `wait_s`."""
@@ -85,8 +86,7 @@ class EngineGuard:
             return
         if self.state == CONNECTING:  # a connection whose run was not known yet
             return
-        self.state, self.reason = LOST, f"the connection to the engine at {self.client.address} was lost"
-        self._serving.clear()
+        self._set(LOST, f"the connection to the engine at {self.client.address} was lost")
         self.log.warning("engine_connection_lost", address=self.client.address, run_id=self.engine_id)
         self.client.end_all(self.reason, "engine_dead")
         if self.exits_when_lost:
@@ -102,20 +102,21 @@ class EngineGuard:
                 self.log.warning("engine_stats_timeout", address=self.client.address, timeout_s=STATS_TIMEOUT_S)
             except ClientRefusedError as e:  # requests get a 503 naming it (`admit`)
                 self.log.error("engine_refused_client", address=self.client.address, error=str(e))
+                self._set(self.state, str(e))
                 return
         if self.engine_id is None:
             self.engine_id = run_id
         if run_id is None or run_id != self.engine_id:
-            self.state = FOREIGN
-            self.reason = (
-                f"the engine at {self.client.address} is run {run_id!r}, not {self.engine_id!r}, which this "
-                "server was started for"
-            )  # fmt: skip
-            self._serving.clear()
+            self._set(FOREIGN, f"the engine at {self.client.address} is run {run_id!r}, not {self.engine_id!r}, "
+                               "which this server was started for")  # fmt: skip
             self.log.error("engine_mismatch", address=self.client.address, run_id=run_id, expected=self.engine_id)
             self.client.end_all(self.reason, "engine_dead")
             self.on_fatal(self.reason)
             return
-        self.state, self.reason = SERVING, ""
-        self._serving.set()
+        self._set(SERVING, "")
         self.log.info("engine_connected", address=self.client.address, run_id=run_id)
+
+    def _set(self, state: str, reason: str) -> None:
+        self.state, self.reason = state, reason
+        self._changed.set()
+        self._changed = asyncio.Event()
