@@ -1,4 +1,4 @@
-"""What both launch modes start next to the serving engine (or router): the HTTP front end, a one-shot answer, and the client port.
+"""What both launch modes start next to the engine (or router): the HTTP front end, a one-shot answer, the client port.
 
 `asyncpp.launch` (one engine) and `asyncpp.disagg.deploy` (two engines behind a
 router) share these; neither imports the other for them. Both ports are
@@ -75,7 +75,9 @@ def check_http_port(config: EngineConfig) -> None:
             probe.close()
 
 
-async def start_http(config_path: str, config: EngineConfig, engine_address: str, engine_id: str) -> asyncio.subprocess.Process:
+async def start_http(
+    config_path: str, config: EngineConfig, engine_address: str, engine_id: str
+) -> asyncio.subprocess.Process:
     """Start `python -m asyncpp.http` for the engine run `engine_id`, dying with this process, and wait
     until it says it listens; `ConfigError` naming server.http_port if it exits before."""
     s = config.server
@@ -99,7 +101,8 @@ async def start_http(config_path: str, config: EngineConfig, engine_address: str
         said = await asyncio.wait_for(_read_line(read_fd), HTTP_READY_TIMEOUT_S)
     except TimeoutError:
         await _kill(proc)
-        raise RuntimeError(f"the HTTP server did not listen on {http_url(config)} within {HTTP_READY_TIMEOUT_S:.0f} s") from None
+        url, limit_s = http_url(config), HTTP_READY_TIMEOUT_S
+        raise RuntimeError(f"the HTTP server did not listen on {url} within {limit_s:.0f} s") from None
     if said != b"listening\n":  # it exited (or is exiting) first
         try:
             code = await asyncio.wait_for(proc.wait(), 10.0)

@@ -12,8 +12,9 @@ refuses is a 4xx even when streaming.
 
 Requests go only to the engine run this server was started for, and get a
 503 within seconds while it cannot be reached (`EngineGuard`). A request
-holds its place at the front door (`FrontDoor`) until its response has ended. A client that hangs up has its request aborted in the engine at
-once: while its answer is awaited (`unless_disconnected`) or streamed
+holds its place at the front door (`FrontDoor`) until its response has
+ended. A client that hangs up has its request aborted in the engine at once:
+while its answer is awaited (`unless_disconnected`) or streamed
 (starlette cancels the stream). At shutdown (`begin_shutdown`) new requests
 get a 503, the open ones have the grace period to finish, and those left then
 end: with a 503 or, in a stream, an error event and `[DONE]`.
@@ -80,7 +81,9 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = AsyncClient(settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret)
-        guard = EngineGuard(client, settings.engine_id, exits_when_lost=settings.exits_when_engine_lost, on_fatal=on_fatal)
+        guard = EngineGuard(
+            client, settings.engine_id, exits_when_lost=settings.exits_when_engine_lost, on_fatal=on_fatal
+        )
         state["client"], state["guard"] = client, guard
         guard.start()
         yield

@@ -10,7 +10,9 @@ from tests.runtime.conftest import poll_until
 PROMPT = "The quick brown fox jumps over the lazy dog. "
 
 
-async def served_and_nothing_held(base_url: str, headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> None:
+async def served_and_nothing_held(
+    base_url: str, headers: dict[str, str] | None = None, timeout_s: float = 30.0
+) -> None:
     """A 3-token completion is answered, then /metrics shows no request and no KV block held."""
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, headers=headers) as http:
         r = await http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
