@@ -16,6 +16,11 @@ here, naming its largest field, instead of being sent.
 An engine whose port has `server.client_secret` serves only clients that
 present it (`secret`); the KV handshake calls need the engine role
 (`role="engine"` with the deployment's engine secret: `wire.client_auth`).
+
+ZMQ connects and reconnects without a word, to whatever process listens at
+the address then. `is_connected` says whether a connection is up now, and
+`on_connection` listeners hear of each one made or lost (the HTTP server
+serves one engine run: `http.engine_guard`).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from asyncpp.wire.client_msgs import (
 )
 from asyncpp.wire.client_auth import CLIENT
 from asyncpp.wire.codec import packed_size
-from asyncpp.wire.queues import DealerQueue, FrameTooLargeError
+from asyncpp.wire.queues import CONNECTED, REFUSED, DealerQueue, FrameTooLargeError
 
 _REPLIES = (HealthReply, StatsReply, KVHandshakeReply, AddRemoteEngineReply)  # matched to calls by nonce
 
@@ -77,6 +82,8 @@ class AsyncClient:
         self._watcher: asyncio.Task | None = None
         self.refused: str | None = None  # why the engine refused our credentials, once it has
         self._refusal: asyncio.Future | None = None  # done once it has
+        self.is_connected = False  # a connection to the engine is up (its handshake done)
+        self._connection_listeners: list[Callable[[bool], None]] = []
         # Errors about frames that named no request (the latest few).
         self.unrouted_errors: collections.deque[ErrorReply] = collections.deque(maxlen=64)
 
@@ -87,7 +94,7 @@ class AsyncClient:
         if self._reader is None or self._reader.done():
             self._reader = loop.create_task(self._read_loop())
         if self._watcher is None or self._watcher.done():
-            self._watcher = loop.create_task(self._watch_refusal())
+            self._watcher = loop.create_task(self._watch_connection())
 
     async def _put(self, msg: Any) -> None:
         """Send `msg`; `ClientRefusedError` if the engine refused us (ZMQ then drops the connection, and a
@@ -103,9 +110,26 @@ class AsyncClient:
             raise ClientRefusedError(self.refused)
         put.result()
 
-    async def _watch_refusal(self) -> None:
+    def on_connection(self, listener: Callable[[bool], None]) -> None:
+        """Call `listener(True)` each time a connection to the engine is made, `listener(False)` each
+        time it is lost (at once with True if one is up now; in a running loop)."""
+        self._connection_listeners.append(listener)
+        self._ensure_reader()
+        if self.is_connected:
+            listener(True)
+
+    async def _watch_connection(self) -> None:
+        while True:
+            kind, reason = await self._queue.next_event()
+            if kind == REFUSED:
+                self._refuse(reason)
+                return
+            self.is_connected = kind == CONNECTED
+            for listener in list(self._connection_listeners):
+                listener(self.is_connected)
+
+    def _refuse(self, reason: str) -> None:
         """Credentials the engine refuses: end every call at once instead of letting it wait forever."""
-        reason = await self._queue.refused()
         self.refused = f"the engine at {self.address} refused this client's credentials ({reason})"
         if self._refusal is not None and not self._refusal.done():
             self._refusal.set_result(None)
@@ -170,6 +194,8 @@ class AsyncClient:
                 if isinstance(msg, _Ended):  # `end_all`: finished stays False, so the engine hears of it
                     if msg.kind == "forbidden":
                         raise ClientRefusedError(msg.message)
+                    if msg.kind == "engine_dead":
+                        raise EngineDeadError(msg.message)
                     raise RequestFailedError(msg.kind, msg.message)
                 if isinstance(msg, ErrorReply):
                     finished = True
@@ -195,8 +221,9 @@ class AsyncClient:
         await self._put(RemotePrefillDone(request_id, kv_transfer_params))
 
     def end_all(self, message: str, kind: str = "shutdown") -> None:
-        """End every open `generate` with `RequestFailedError(kind, message)`, aborting its request
-        in the engine (a server shutting down tells its own clients why)."""
+        """End every open `generate` with `RequestFailedError(kind, message)` (`EngineDeadError` for
+        "engine_dead"), aborting its request in the engine (a server shutting down tells its own
+        clients why)."""
         for stream in self._streams.values():
             stream.put(_Ended(kind, message))
 

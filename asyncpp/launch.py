@@ -29,7 +29,15 @@ from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCore
 from asyncpp.engine.startup import EngineCapacity, kv_connector_context, resolve_capacity, set_stage_handshakes
 from asyncpp.engine.layer_balance import LayerBalancer
-from asyncpp.front_ends import client_access, http_url, one_shot, start_http, stop_http
+from asyncpp.front_ends import (
+    bind_client_port,
+    check_http_port,
+    client_access,
+    http_url,
+    one_shot,
+    start_http,
+    stop_http,
+)
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
@@ -44,7 +52,6 @@ from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.transport import transport_for
 from asyncpp.weights import read_arch
-from asyncpp.wire.queues import RouterQueue
 from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import step_graph_sizes
 
@@ -140,6 +147,10 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=config.shift_layers_off_reason)
     arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch, plan.dtype)
+    # Both ports before the model loads: one in use is exit 2 naming its key, not a traceback later.
+    check_http_port(config)
+    port = config.server.port if ns.port is None else ns.port
+    router = bind_client_port(config.server.host, port, config.server.max_frame_bytes, client_access(config))
     addresses = RunAddresses.create()
     server = None
     http = None
@@ -150,6 +161,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         kv_connector = create_scheduler_connector(kv_ctx, config.kv_transfer.module)
         create_proposer(config.speculative)  # an unknown speculative.method: here, naming the key
     except Exception:
+        router.close()
         shutil.rmtree(addresses.run_dir, ignore_errors=True)
         raise
     stages = create_stage_group(stage_args_for(config, plan, capacity, addresses, ns, kv_ctx), addresses, config.parallel)
@@ -170,8 +182,6 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         if kv_connector is not None:
             set_stage_handshakes(kv_connector, handshakes)
         core = EngineCore(config, arch, tokenizer, capacity, kv_connector)
-        port = config.server.port if ns.port is None else ns.port
-        router = RouterQueue(f"tcp://{config.server.host}:{port}", config.server.max_frame_bytes, client_access(config))
         server = EngineServer(
             core,
             stages,
@@ -200,7 +210,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain_and_stop()))
         if config.server.http_port:
-            http = await start_http(ns.config, config, router.address, ns)
+            http = await start_http(ns.config, config, router.address, stages.addresses.run_id)
             print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
         print(f"asyncpp ready: clients connect to {router.address} ({plan.summary()})", file=sys.stderr, flush=True)
@@ -217,8 +227,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     finally:
         if http is not None:
             await stop_http(http)
-        if server is not None:
-            server.router.close()
+        router.close()
         await stages.shutdown()
         for segment in shared_kv:  # after the stages, which map them
             segment.close()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import os
 import re
 import signal
@@ -24,11 +23,11 @@ import subprocess
 import sys
 
 from asyncpp.logging import get_logger
+from asyncpp.runtime.parent_death import preexec_dying_with_parent
 
 READY_RE = re.compile(r"asyncpp ready: clients connect to (\S+)")
 NUM_TAIL_LINES = 40
 MAX_LINE_BYTES = 1 << 20  # a longer log line ends the forwarding (asyncio's default is 64 KiB)
-_PR_SET_PDEATHSIG = 1
 
 
 class EngineStartError(RuntimeError):
@@ -55,18 +54,13 @@ class EngineChild:
         return self.proc.pid if self.proc is not None else None
 
     async def start(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-        parent_pid = os.getpid()
         cpus = self.cpus
 
-        def in_child() -> None:  # between fork and exec: system calls only
-            if libc is not None:
-                libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-                if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-                    os._exit(1)
+        def pin() -> None:  # between fork and exec: system calls only
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        in_child = preexec_dying_with_parent(signal.SIGTERM, pin)  # the engine drains and stops its stages
         self._address = asyncio.get_running_loop().create_future()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "asyncpp.launch", *self.args,

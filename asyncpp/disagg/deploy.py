@@ -4,9 +4,11 @@ The launcher hands a config with a `[disagg]` table here (`asyncpp.launch.main`)
 It writes each engine's derived config (`asyncpp.disagg.config`) into a
 temporary directory, starts both engines as child launchers on free ports
 (each with its own stages; CPUs split between them when there are enough),
-waits for their ready lines, binds the router on `server.port`, exchanges the
-engines' KV handshakes, starts the HTTP front end against the router when
-asked, prints the router's ready line and serves (or answers `--prompt` once).
+waits for their ready lines, exchanges the engines' KV handshakes, starts
+the HTTP front end against the router when asked, prints the router's ready
+line and serves (or answers `--prompt` once). The router's `server.port` is
+bound, and `server.http_port` tried, before anything starts: a port in use
+is exit 2 naming its key.
 
 An engine that exits fails its requests ("engine_dead") and leaves the router
 serving, unhealthy, until the launcher itself is stopped. Ctrl-C / SIGTERM:
@@ -27,17 +29,16 @@ from pathlib import Path
 
 import uvloop
 
-from asyncpp.config import EngineConfig, with_http_overrides
+from asyncpp.config import ConfigError, EngineConfig, with_http_overrides
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.config import ROLES, DisaggConfig, load_disagg_config, split_cpus
 from asyncpp.disagg.link import EngineLink
-from asyncpp.front_ends import http_url, one_shot, start_http, stop_http
+from asyncpp.front_ends import bind_client_port, check_http_port, http_url, one_shot, start_http, stop_http
 from asyncpp.disagg.router import PDRouter
 from asyncpp.logging import get_logger
 from asyncpp.runtime.cpu_affinity import usable_cpu_ids
 from asyncpp.toml_write import to_toml
 from asyncpp.wire.client_auth import ClientAccess, new_secret
-from asyncpp.wire.queues import RouterQueue
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # as an engine's
 CHILD_STOP_MARGIN_S = 15.0  # beyond an engine's grace period before it is killed
@@ -53,6 +54,9 @@ def main(ns: argparse.Namespace) -> int:
         return 2
     try:
         return uvloop.run(run(pd, config, ns))
+    except ConfigError as e:  # a port in use (found before the engines start)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except EngineStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if e.exit_code == 2 else 1
@@ -81,6 +85,11 @@ def engine_files(
 async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) -> int:
     """`config`: the shared tables with the command line's HTTP settings; its [server] is the router's."""
     log = get_logger(role="pd_launch")
+    # Both ports before any engine starts: one in use is exit 2 naming its key, not a traceback later.
+    check_http_port(config)
+    port = config.server.port if ns.port is None else ns.port
+    # The router's clients: those with the client secret (none holds the engine role here).
+    queue = bind_client_port(config.server.host, port, MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
     loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
     for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: stop, reaping what started
@@ -108,9 +117,6 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
                              health_timeout_s=pd.section.health_timeout_s)
             for role, address in zip(ROLES, addresses)
         }  # fmt: skip
-        port = config.server.port if ns.port is None else ns.port
-        # The router's clients: those with the client secret (none holds the engine role here).
-        queue = RouterQueue(f"tcp://{config.server.host}:{port}", MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
         router = PDRouter(queue, links["prefill"], links["decode"], handover=pd.section.handover)
         try:
             await router.connect(timeout_s)
@@ -123,7 +129,7 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
         log.info("pd_ready", address=router.address, prefill=addresses[0], decode=addresses[1],
                  cpus={role: list(c) if c else None for role, c in cpus.items()})  # fmt: skip
         if config.server.http_port:
-            http = await start_http(str(paths["decode"]), config, router.address, ns)
+            http = await start_http(str(paths["decode"]), config, router.address, router.router_id)
             print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
         print(f"asyncpp ready: clients connect to {router.address} (prefill/decode router: "
@@ -147,6 +153,8 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
             await stop_http(http)
         if router is not None:
             await router.close()
+        else:
+            queue.close()
         grace_s = config.server.grace_period_s
         await asyncio.gather(*(child.stop(grace_s + CHILD_STOP_MARGIN_S) for child in children.values()))
         shutil.rmtree(workdir, ignore_errors=True)

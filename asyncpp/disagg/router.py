@@ -397,6 +397,7 @@ class PDRouter:
                 link.role: {"address": link.address, "dead_reason": link.dead_reason} for link in (self.prefill, self.decode)
             },
             "is_dead": not self.is_healthy,
+            "run_id": self.router_id,  # the router's, as an engine's names its run (not the decode engine's)
         }
         return StatsReply(msg.nonce, merged_stats(prefill, decode, router))
 

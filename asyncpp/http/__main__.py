@@ -5,11 +5,20 @@ can also be started by hand next to a running engine. It tokenizes with the
 config's model and talks to the engine through `AsyncClient`. On SIGINT or
 SIGTERM it stops taking requests and gives the open ones
 `server.grace_period_s` before it ends them (`build_app`'s `begin_shutdown`).
+
+It serves one engine run (`http.engine_guard`): the launcher passes its own
+(`--engine-id`), and the server stops (exit 1) when that engine's connection
+is lost or another engine is found at the address; started by hand, it
+serves the first engine it reaches and stops if another takes its place.
+`--ready-fd N`: write "listening" to that file descriptor once the port is
+bound (the launcher waits for it: an exit before it is a port it could not
+bind, or another start-up failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 
@@ -43,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, help="override server.http_port")
     ap.add_argument("--api-key", help="override server.api_key")
     ap.add_argument("--log-level", default="warning")
+    ap.add_argument("--engine-id", help="serve only the engine run with this id (stats' run_id); stop when it is gone")
+    ap.add_argument("--ready-fd", type=int, help="write 'listening' to this file descriptor once listening")
     ns = ap.parse_args(argv)
     configure_logging("console", ns.log_level, None)
     try:
@@ -59,14 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         metrics_require_key=server.metrics_require_key,
         max_in_flight=config.scheduler.max_num_seqs + server.max_queued_requests,
         max_frame_bytes=server.max_frame_bytes, grace_period_s=server.grace_period_s,
-        client_secret=server.client_secret,
+        client_secret=server.client_secret, engine_id=ns.engine_id, exits_when_engine_lost=ns.engine_id is not None,
     )  # fmt: skip
-    app = build_app(settings, processor)
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:  # the engine is gone for good: stop, as on SIGTERM
+        fatal.append(reason)
+        uvicorn_server.should_exit = True
+
+    app = build_app(settings, processor, on_fatal)
     uvicorn_config = uvicorn.Config(
         app, host=server.http_host, port=server.http_port, log_level=ns.log_level,
         loop="uvloop", access_log=False, timeout_graceful_shutdown=2,
     )  # fmt: skip
-    _GracefulServer(uvicorn_config, app.state.begin_shutdown).run()
+    uvicorn_server = _GracefulServer(uvicorn_config, app.state.begin_shutdown, ns.ready_fd)
+    uvicorn_server.run()
+    if fatal:
+        print(f"error: {fatal[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -74,9 +95,17 @@ class _GracefulServer(uvicorn.Server):
     """uvicorn's server, with the app's own shutdown first: uvicorn alone would wait two seconds,
     then cut open streams without a word and answer pending requests with a plain-text 500."""
 
-    def __init__(self, config: uvicorn.Config, begin_shutdown) -> None:
+    def __init__(self, config: uvicorn.Config, begin_shutdown, ready_fd: int | None = None) -> None:
         super().__init__(config)
         self.begin_shutdown = begin_shutdown
+        self.ready_fd = ready_fd
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # a port it cannot bind: it exits here (code 1)
+        if self.ready_fd is not None and not self.should_exit:
+            os.write(self.ready_fd, b"listening\n")
+            os.close(self.ready_fd)
+            self.ready_fd = None
 
     async def shutdown(self, sockets=None) -> None:
         await self.begin_shutdown(lambda: self.force_exit)  # a second Ctrl-C: no more waiting

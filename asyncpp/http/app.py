@@ -10,9 +10,11 @@ against the engine's `max_frame_bytes` (in `AsyncClient`). The first reply
 of the engine is awaited before the response starts, so a request the engine
 refuses is a 4xx even when streaming.
 
-A request holds its place at the front door (`FrontDoor`) until its response
-has ended. A client that hangs up has its request aborted in the engine at
-once: while its answer is awaited (`unless_disconnected`) or streamed
+Requests go only to the engine run this server was started for, and get a
+503 within seconds while it cannot be reached (`EngineGuard`). A request
+holds its place at the front door (`FrontDoor`) until its response has
+ended. A client that hangs up has its request aborted in the engine at once:
+while its answer is awaited (`unless_disconnected`) or streamed
 (starlette cancels the stream). At shutdown (`begin_shutdown`) new requests
 get a 503, the open ones have the grace period to finish, and those left then
 end: with a 503 or, in a stream, an error event and `[DONE]`.
@@ -35,6 +37,7 @@ from pydantic import ValidationError
 from asyncpp.client import AsyncClient
 from asyncpp.engine.input_processor import InputProcessor, tokenizes_off_loop
 from asyncpp.errors import InvalidRequestError
+from asyncpp.http.engine_guard import EngineGuard
 from asyncpp.http.errors import ApiError, bad_request, engine_error, install_handlers, invalid
 from asyncpp.http.formatter import Formatter, token_string
 from asyncpp.http.front_door import ApiKeyCheck, ClientDisconnected, FrontDoor, read_json, unless_disconnected
@@ -59,21 +62,32 @@ class HttpSettings:
     max_frame_bytes: int = 8 * 1024 * 1024  # server.max_frame_bytes, the engine's
     grace_period_s: float = 5.0  # at shutdown, for open requests to finish
     client_secret: str = field(default="", repr=False)  # what the engine's client port asks of clients
+    engine_id: str | None = None  # the engine run to serve (None: the first one reached); see `EngineGuard`
+    exits_when_engine_lost: bool = False  # started by the launcher: its engine's run cannot come back
 
 
-def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
+def build_app(
+    settings: HttpSettings, processor: InputProcessor, on_fatal: Callable[[str], None] = lambda reason: None
+) -> FastAPI:
+    """`on_fatal(reason)`: the engine this server serves is gone for good (or another is at its address)."""
     log = get_logger(role="http")
     metrics = HttpMetrics(settings.served_model_name)
     token_bytes = processor.tokenizer.token_bytes_table()
     tokens = [token_string(b) for b in token_bytes]
     door = FrontDoor(settings.max_in_flight)
     max_body_bytes = max(MIN_MAX_BODY_BYTES, 4 * settings.max_frame_bytes)
-    state: dict[str, AsyncClient] = {}
+    state: dict[str, Any] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["client"] = AsyncClient(settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret)
+        client = AsyncClient(settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret)
+        guard = EngineGuard(
+            client, settings.engine_id, exits_when_lost=settings.exits_when_engine_lost, on_fatal=on_fatal
+        )
+        state["client"], state["guard"] = client, guard
+        guard.start()
         yield
+        guard.close()
         state.pop("client").close()
 
     app = FastAPI(title="asyncpp", lifespan=lifespan)
@@ -109,7 +123,7 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if door.is_stopping:
+        if door.is_stopping or not await state["guard"].serves_within(2.0):
             return Response(status_code=503)
         try:
             ok = await state["client"].health(timeout_s=2.0)
@@ -125,10 +139,12 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        try:
-            stats = await state["client"].stats(timeout_s=2.0)
-        except (asyncio.TimeoutError, OSError):
-            stats = None
+        stats = None
+        if state["guard"].is_serving:  # (never another engine's)
+            try:
+                stats = await state["client"].stats(timeout_s=2.0)
+            except (asyncio.TimeoutError, OSError):
+                pass
         return Response(metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
@@ -178,6 +194,11 @@ def build_app(settings: HttpSettings, processor: InputProcessor) -> FastAPI:
                     rename: dict[str, str]) -> Response:  # fmt: skip
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         door.enter()
+        try:
+            await state["guard"].admit()  # held at the door meanwhile: it counts against the bound
+        except BaseException:
+            door.leave()
+            raise
         stream = state["client"].generate(prompt_ids, params, request_id=request_id)
         exchange: _Exchange | None = _Exchange(stream, RequestTimes(time.monotonic(), metrics), metrics, door)
         try:

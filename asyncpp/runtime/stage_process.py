@@ -38,7 +38,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -54,6 +53,7 @@ from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.gc_heap import freeze_startup_heap
+from asyncpp.runtime.parent_death import die_with_parent
 from asyncpp.step_phases import step_phases
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import read_arch
@@ -162,21 +162,11 @@ def stage_main(args: StageArgs, inputs: StageInputs | None = None) -> None:
 
 
 def _die_with_launcher() -> None:
-    """Have the kernel kill this stage when the launcher dies without reaping it (SIGKILL, OOM).
-
-    Otherwise an orphaned stage blocks forever on a socket whose peer is gone,
-    holding its shared-memory ring. Linux only; elsewhere the launcher's reaping
-    is all there is.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    """Have the kernel kill this stage when the launcher dies without reaping it (SIGKILL, OOM):
+    otherwise an orphaned stage blocks forever on a socket whose peer is gone, holding its
+    shared-memory ring."""
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # the launcher died before prctl took effect
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, parent.pid if parent is not None else None)
 
 
 class StepThreads:

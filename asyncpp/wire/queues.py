@@ -30,6 +30,10 @@ from asyncpp.wire.token_auth import (
 )
 from asyncpp.wire.loop_socket import LoopSocket
 
+# What `DealerQueue.next_event` reports about its connection to the engine.
+CONNECTED, DISCONNECTED, REFUSED = "connected", "disconnected", "refused"
+_CONNECTION_EVENTS = REFUSAL_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+
 # ZMQ drops a peer whose frame exceeds this; the logical limit below answers with an error first.
 _HARD_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
@@ -145,7 +149,8 @@ class PeerGoneError(ConnectionError):
 
 
 class RouterQueue:
-    """Engine side of the client channel: many peers on one bound socket, each in its role."""
+    """Engine side of the client channel: many peers on one bound socket, each in its role; an
+    address it cannot bind is an `OSError` with the OS's errno (`EADDRINUSE`: the port is taken)."""
 
     def __init__(self, address: str, max_frame_bytes: int, access: ClientAccess = ClientAccess()) -> None:
         access.check_bind(address)
@@ -159,7 +164,12 @@ class RouterQueue:
         sock.setsockopt(zmq.RCVHWM, 0)
         self._domain = ClientAccess.new_domain()
         require_plain(sock, self._domain, access.allows, address)
-        sock.bind(address)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as e:  # a port in use, an address not this machine's: as the OS says it
+            sock.close(linger=0)
+            forget_plain(self._domain)
+            raise OSError(e.errno, f"cannot bind {address}: {e.strerror}") from None
         self._io = LoopSocket(sock)
         self.max_frame_bytes = max_frame_bytes
 
@@ -205,8 +215,9 @@ class DealerQueue:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.plain_username = role.encode()
         sock.plain_password = (secret or "none").encode()  # PLAIN takes no empty password
-        # Before connecting: a refusal of our credentials is seen on the monitor, never as a frame.
-        self._monitor = LoopSocket(sock.get_monitor_socket(REFUSAL_EVENTS, monitor_address()))
+        # Before connecting: a refusal of our credentials is seen on the monitor, never as a frame,
+        # and so is the connection made or lost (ZMQ reconnects without a word).
+        self._monitor = LoopSocket(sock.get_monitor_socket(_CONNECTION_EVENTS, monitor_address()))
         self._sock = _configured(sock, address, bind=False)
         self._io = LoopSocket(self._sock)
         self.max_frame_bytes = min(max_frame_bytes or _HARD_MAX_FRAME_BYTES, _HARD_MAX_FRAME_BYTES)
@@ -224,13 +235,26 @@ class DealerQueue:
     async def get(self) -> Any:
         return decode(await self._io.recv())
 
+    async def next_event(self) -> tuple[str, str]:
+        """The next change of this socket's connection: (CONNECTED, "") once a handshake with the
+        engine succeeded, (DISCONNECTED, "") once that connection is lost (ZMQ reconnects, perhaps
+        to another process at the address), (REFUSED, why) once the engine refused our credentials."""
+        while True:
+            event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+            if event & REFUSAL_EVENTS:  # (not the monitor's own stop)
+                return REFUSED, refusal_reason(event)
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return CONNECTED, ""
+            if event == zmq.EVENT_DISCONNECTED:
+                return DISCONNECTED, ""
+
     async def refused(self) -> str:
         """Wait until the engine refuses this socket's credentials; why (the engine's port lets no
         frame of ours in, so the caller must not wait for replies after this)."""
         while True:
-            event = parse_monitor_message(await self._monitor.recv_multipart())
-            if event["event"] & REFUSAL_EVENTS:  # (not the monitor's own stop)
-                return refusal_reason(event["event"])
+            kind, reason = await self.next_event()
+            if kind == REFUSED:
+                return reason
 
     def close(self) -> None:
         self._monitor.close()

@@ -159,6 +159,24 @@ def test_a_bad_override_exits_2_naming_its_engine(tmp_path, tiny_hf_dir, capsys)
     assert "disagg.prefill: kv_transfer.kv_role must be 'producer'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key", ["server.port", "server.http_port"])
+def test_a_taken_port_exits_2_naming_it_before_any_engine_starts(tmp_path, tiny_hf_dir, capsys, key):
+    with socket.socket() as holder:  # another process's port, as far as the launcher can tell
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        server = {"port": port} if key == "server.port" else {"port": 0, "http_port": port}
+        config = tmp_path / "pd.toml"
+        config.write_text(to_toml(pd_sections(tiny_hf_dir, STUB, server=server)))
+        t0 = time.monotonic()
+        assert launch.main(["--config", str(config), "--log-level", "info"]) == 2
+        took_s = time.monotonic() - t0
+    err = capsys.readouterr().err
+    assert f"error: {key} {port} on 127.0.0.1 is already in use" in err.splitlines(), err
+    assert "engine_started" not in err and "Traceback" not in err, err
+    assert took_s < 5.0  # no engine was started (one takes longer than this to be ready)
+
+
 @pytest.mark.skipif(isa.cpu_info().supports("amx"), reason="this CPU has AMX")
 def test_an_engine_that_fails_at_start_up_stops_the_launch(tmp_path, tiny_hf_dir, capsys):
     config = tmp_path / "pd.toml"
