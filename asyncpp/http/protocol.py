@@ -80,12 +80,17 @@ class CompletionRequest(_Common):
     def engine_prompt(self) -> str | list[int]:
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise InvalidRequestError("prompt", f"one prompt per request is supported, got {len(prompt)}")
-            prompt = prompt[0]
+            prompt = one_prompt(prompt)
         if self.echo:
             raise InvalidRequestError("echo", "echo is not supported")
         return prompt
+
+
+def one_prompt(prompts: list[Any]) -> Any:
+    """The one prompt of a list of prompts; several are refused."""
+    if len(prompts) != 1:
+        raise InvalidRequestError("prompt", f"one prompt per request is supported, got {len(prompts)}")
+    return prompts[0]
 
 
 class ChatMessage(BaseModel):
