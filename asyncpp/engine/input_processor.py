@@ -4,11 +4,14 @@ A prompt is a string (completion), a list of token ids, or a list of chat
 messages (`{"role": ..., "content": ...}`), which go through the chat
 template. Every rejection is an `InvalidRequestError` naming the field.
 A text far too long to fit `max_model_len` is refused by its length before
-it is tokenized, which for megabytes of text would take seconds (and memory).
+it is tokenized, which for megabytes of text would take seconds (and memory),
+and a chat with more messages than `max_model_len` tokens can hold is refused
+by their number before the chat template runs (`check_chat_size`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncpp.errors import InvalidRequestError
@@ -16,19 +19,28 @@ from asyncpp.sampling.params import SamplingParams
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
-# Prompts with more characters than this to tokenize (a text's, or a chat's contents') are tokenized
-# on an executor thread, off the serving loop (the engine's client port, the HTTP front end).
+# Prompts that cost more than this many characters to tokenize (a text's, or a chat's contents plus
+# MESSAGE_CHARS a message) are tokenized on an executor thread, off the serving loop (the engine's
+# client port, the HTTP front end).
 OFF_LOOP_TOKENIZE_CHARS = 20000
+# What one chat message costs beside its content, counted as characters: its role and the template's
+# markup around it ("<|im_start|>user\n...<|im_end|>\n"), rendered and then tokenized.
+MESSAGE_CHARS = 32
+# The roles whose cost the chat template is probed for (see `InputProcessor.check_chat_size`).
+PROBED_ROLES = ("system", "user", "assistant", "tool", "developer")
+_NUM_PROBE_MESSAGES = 8
 
 
 def tokenizes_off_loop(prompt: Any) -> bool:
-    """Whether tokenizing `prompt` is slow enough to run off the loop."""
+    """Whether tokenizing `prompt` is slow enough to run off the loop. Cheap whatever the prompt:
+    a chat of more than OFF_LOOP_TOKENIZE_CHARS / MESSAGE_CHARS messages is not looked into."""
     if isinstance(prompt, str):
-        num_chars = len(prompt)
-    elif isinstance(prompt, list):
-        num_chars = sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
-    else:
-        num_chars = 0
+        return len(prompt) > OFF_LOOP_TOKENIZE_CHARS
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], dict):
+        return False  # token ids need no tokenizing; anything else is refused as it is
+    num_chars = MESSAGE_CHARS * len(prompt)
+    if num_chars <= OFF_LOOP_TOKENIZE_CHARS:  # (past it, the number of messages is enough to know)
+        num_chars += sum(len(m["content"]) for m in prompt if isinstance(m, dict) and isinstance(m.get("content"), str))
     return num_chars > OFF_LOOP_TOKENIZE_CHARS
 
 
@@ -38,6 +50,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self._max_text_chars: int | None = None  # see `check_text_length`
+        self._costly_roles: frozenset[str] | None = None  # see `check_chat_size`
 
     def process(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         self.validate(params)
@@ -74,6 +87,48 @@ class InputProcessor:
                 field, f"{field} of {len(text)} characters is longer than max_model_len {self.max_model_len} can hold"
             )
 
+    def check_chat_size(self, messages: Sequence[Any], role_aliases: Mapping[str, str] | None = None) -> None:
+        """Refuse a chat with more messages than `max_model_len` tokens can hold, before its template runs.
+
+        Each message of a role the template is seen to render (`costly_roles`) adds at least one token;
+        messages of other roles, and anything but a dict, count for nothing. `role_aliases` renames
+        roles first (the HTTP server sends "developer" as "system"). O(1) for a chat of at most
+        `max_model_len` messages."""
+        if len(messages) <= self.max_model_len:
+            return
+        costly, aliases = self.costly_roles(), role_aliases or {}
+        roles = (m.get("role") for m in messages if isinstance(m, dict))
+        num_costly = sum(1 for role in roles if isinstance(role, str) and aliases.get(role, role) in costly)
+        if num_costly > self.max_model_len:
+            raise InvalidRequestError(
+                "messages",
+                f"messages ({len(messages)}) are more than max_model_len {self.max_model_len} tokens can hold, "
+                "at least one token each",
+            )
+
+    def costly_roles(self) -> frozenset[str]:
+        """The roles of PROBED_ROLES of which the chat template renders every message, even an empty
+        one, as at least one token: _NUM_PROBE_MESSAGES empty messages of the role after a user's
+        must add at least as many tokens. A role the template drops, merges for free or refuses
+        (it raises) is left out, so that the bound never refuses a chat that fits."""
+        if self._costly_roles is None:
+            first = [{"role": "user", "content": "hi"}]
+            base = self._num_template_tokens(first)
+            costly = set()
+            for role in PROBED_ROLES:
+                num = self._num_template_tokens(first + [{"role": role, "content": ""}] * _NUM_PROBE_MESSAGES)
+                if base is not None and num is not None and num - base >= _NUM_PROBE_MESSAGES:
+                    costly.add(role)
+            self._costly_roles = frozenset(costly)
+        return self._costly_roles
+
+    def _num_template_tokens(self, messages: list[dict[str, str]]) -> int | None:
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError:  # no template, or one that refuses these messages
+            return None
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -81,6 +136,7 @@ class InputProcessor:
             self.check_text_length(prompt, "prompt")
             ids = _encode(self.tokenizer, prompt, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            self.check_chat_size(prompt)
             try:
                 text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
             except ValueError as e:

@@ -5,8 +5,12 @@ receives token ids and the default `max_tokens` can be the rest of the
 context, as in vLLM. What the engine would refuse is refused here first, in
 the request's own field names: the sampling parameters, the prompt against
 `max_model_len` (a text far too long by its length alone, before tokenizing
-it; a long one is tokenized off the event loop), and the request's frame
-against the engine's `max_frame_bytes` (in `AsyncClient`). The first reply
+it, a chat with too many messages by their number, before its template runs;
+a long one is tokenized off the event loop), and the request's frame against
+the engine's `max_frame_bytes` (in `AsyncClient`). A big body is decoded off
+the event loop, and what it cannot fit whatever its details (a million
+messages) is refused before it is validated (`check_chat_size`,
+`check_prompt_size`), so that no request holds up the others. The first reply
 of the engine is awaited before the response starts, so a request the engine
 refuses is a 4xx even when streaming.
 
@@ -32,7 +36,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from asyncpp.client import AsyncClient
 from asyncpp.engine.input_processor import InputProcessor, tokenizes_off_loop
@@ -40,9 +43,18 @@ from asyncpp.errors import InvalidRequestError
 from asyncpp.http.engine_guard import EngineGuard
 from asyncpp.http.errors import ApiError, bad_request, engine_error, install_handlers, invalid
 from asyncpp.http.formatter import Formatter, token_string
-from asyncpp.http.front_door import ApiKeyCheck, ClientDisconnected, FrontDoor, read_json, unless_disconnected
+from asyncpp.http.front_door import (
+    OFF_LOOP_BODY_BYTES,
+    ApiKeyCheck,
+    ClientDisconnected,
+    FrontDoor,
+    decode_beside_loop,
+    decode_body,
+    read_body,
+    unless_disconnected,
+)
 from asyncpp.http.metrics import HttpMetrics, RequestTimes
-from asyncpp.http.protocol import ChatCompletionRequest, CompletionRequest
+from asyncpp.http.protocol import ChatCompletionRequest, CompletionRequest, one_prompt
 from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.wire.client_msgs import RequestDelta
@@ -106,20 +118,36 @@ def build_app(
 
     app.state.begin_shutdown = begin_shutdown
 
-    async def parse(request: Request, model_cls):
+    async def parse(request: Request, model_cls, check_size: Callable[[dict[str, Any]], None]):
         door.check()  # full, or shutting down: 503 before the body is even read
-        body = await read_json(request, max_body_bytes)
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
-        try:
-            req = model_cls.model_validate(body)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise bad_request(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from e
+        body = await read_body(request, max_body_bytes)
+        if len(body) > OFF_LOOP_BODY_BYTES:
+            req = await decode_beside_loop(body, model_cls, check_size)
+        else:
+            req = decode_body(body, model_cls)
         if req.model is not None and req.model != settings.served_model_name:
             raise ApiError(404, f"the model `{req.model}` does not exist", "model", "model_not_found")
         return req
+
+    # What a big body cannot fit whatever its details, refused before it is validated (which for a
+    # million items takes seconds): more chat messages or prompt token ids than max_model_len tokens
+    # can hold, several prompts.
+    def check_chat_size(body: dict[str, Any]) -> None:
+        if isinstance(messages := body.get("messages"), list):
+            try:
+                processor.check_chat_size(messages, {"developer": "system"})  # as `engine_prompt` sends them
+            except InvalidRequestError as e:
+                raise invalid(e) from e
+
+    def check_prompt_size(body: dict[str, Any]) -> None:
+        if isinstance(prompt := body.get("prompt"), list) and len(prompt) > settings.max_model_len:
+            try:
+                if isinstance(prompt[0], (str, list)):
+                    one_prompt(prompt)
+                elif isinstance(prompt[0], int):
+                    processor.check_lengths(len(prompt), 0)
+            except InvalidRequestError as e:
+                raise invalid(e) from e
 
     @app.get("/health")
     async def health() -> Response:
@@ -149,7 +177,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
+        req = await parse(request, CompletionRequest, check_prompt_size)
         rename = {"prompt_token_ids": "prompt"}
         try:
             prompt_ids = await tokenize(req.engine_prompt())
@@ -161,7 +189,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = await parse(request, ChatCompletionRequest)
+        req = await parse(request, ChatCompletionRequest, check_chat_size)
         rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"

@@ -3,12 +3,19 @@
 - `ApiKeyCheck`: with a key set, every path but /health (and /metrics, unless
   `metrics_require_key`) needs `Authorization: Bearer <key>`: /docs and
   /openapi.json included.
-- `read_json`: a body is read only with a JSON content type (a cross-site page
+- `read_body`: a body is read only with a JSON content type (a cross-site page
   can post text/plain or a form without asking, never application/json), up
-  to `max_body_bytes`, parsed (nesting too deep for the parser is a 400, not
+  to `max_body_bytes`.
+- `decode_body`: it is parsed (nesting too deep for the parser is a 400, not
   a crash; NaN and Infinity parse, for the field's own check to name them),
   with no lone surrogate ("\\ud800") in any string, which no tokenizer or
-  frame could carry.
+  frame could carry, and validated into the endpoint's request model. A body
+  over `OFF_LOOP_BODY_BYTES` is decoded on an executor thread
+  (`decode_beside_loop`): parsed in steps (`loads_in_steps`: `json.loads`,
+  one C call, would hold the GIL, and so the loop, for as long as it runs),
+  then looked at cheaply to refuse what cannot fit whatever its details (a
+  million chat messages) before the validation, which holds the GIL too and
+  would take seconds.
 - `FrontDoor`: at most `max_in_flight` requests at once; beyond, and while the
   server shuts down, a 503 at once (with Retry-After when it is only busy).
 - `unless_disconnected`: await a request's work unless its client hangs up
@@ -21,14 +28,20 @@ import asyncio
 import json
 import re
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from pydantic import BaseModel, ValidationError
 
 from asyncpp.http.errors import ApiError, bad_request, unavailable
+from asyncpp.http.json_steps import loads_in_steps
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# Bodies larger than this are decoded off the loop (json.loads alone takes ~15 ms a MiB).
+OFF_LOOP_BODY_BYTES = 256 * 1024
 
 # A JSON escape of a UTF-16 surrogate; only such an escape can put a lone surrogate in a parsed string.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -77,7 +90,8 @@ class FrontDoor:
         self.num_in_flight -= 1
 
 
-async def read_json(request: Request, max_body_bytes: int) -> Any:
+async def read_body(request: Request, max_body_bytes: int) -> bytes:
+    """The body of a JSON request: 415 for another content type, 413 past `max_body_bytes`."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise ApiError(415, f"the body must be JSON with Content-Type: application/json, got {content_type!r}")
@@ -90,9 +104,48 @@ async def read_json(request: Request, max_body_bytes: int) -> Any:
         if size > max_body_bytes:
             raise _too_large(size, max_body_bytes)
         chunks.append(chunk)
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def decode_body(
+    body: bytes, model_cls: type[M], check_size: Callable[[dict[str, Any]], None] | None = None, in_steps: bool = False
+) -> M:
+    """`body` as a `model_cls`, or an `ApiError` (400) naming what is wrong. `check_size`, if given,
+    sees the parsed object before it is validated: it must be cheap, and raise `ApiError`."""
+    value = parse_json(body, in_steps)
+    if not isinstance(value, dict):
+        raise bad_request("request body must be a JSON object")
+    if check_size is not None:
+        check_size(value)
     try:
-        value = json.loads(body)
+        return model_cls.model_validate(value)
+    except ValidationError as e:
+        first = e.errors(include_url=False, include_context=False, include_input=False)[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{where}: {first['msg']}", str(first["loc"][0]) if first["loc"] else None) from e
+
+
+async def decode_beside_loop(body: bytes, model_cls: type[M], check_size: Callable[[dict[str, Any]], None]) -> M:
+    """`decode_body` on an executor thread, parsing in steps. A refusal comes back without its
+    traceback, so that the parsed body its frames hold is freed there too, not on the loop."""
+
+    def decode() -> tuple[M | None, ApiError | None]:
+        try:
+            return decode_body(body, model_cls, check_size, in_steps=True), None
+        except ApiError as e:
+            return None, ApiError(e.status, e.message, e.param, e.code, e.headers)
+
+    request, error = await asyncio.get_running_loop().run_in_executor(None, decode)
+    if error is not None:
+        raise error
+    return request
+
+
+def parse_json(body: bytes, in_steps: bool = False) -> Any:
+    """The parsed body; a 400 for bad JSON, nesting too deep, or a lone surrogate in any string.
+    `in_steps`: parsed by `loads_in_steps`, which lets other threads run meanwhile."""
+    try:
+        value = loads_in_steps(body) if in_steps else json.loads(body)
     except RecursionError as e:
         raise bad_request("request body is not valid JSON: nested too deeply") from e
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError

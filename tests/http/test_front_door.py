@@ -31,6 +31,7 @@ from asyncpp.client import AsyncClient
 from asyncpp.engine.input_processor import InputProcessor
 from asyncpp.errors import InvalidRequestError
 from asyncpp.http.app import MIN_MAX_BODY_BYTES, HttpSettings, build_app
+from asyncpp.http.front_door import OFF_LOOP_BODY_BYTES
 from asyncpp.tokenizer import load_tokenizer
 from tests.http.test_openai_server import free_port, metric_values
 from tests.runtime.conftest import poll_until
@@ -172,6 +173,58 @@ async def test_an_engine_error_about_a_frame_reaches_the_request_that_sent_it(se
     await served_and_nothing_held(server)
 
 
+
+async def test_a_body_of_a_million_empty_messages_holds_up_no_one(server):
+    """A body just under the limit with 1,000,000 `{"role": "user", "content": ""}` messages: far more
+    messages than max_model_len tokens can hold, refused by their number before the chat template runs;
+    meanwhile a running stream keeps its pace and /health answers at once."""
+    messages = [{"role": "user", "content": ""}] * 1_000_000
+    body = json.dumps({"messages": messages, "max_tokens": 4}, separators=(",", ":")).encode()
+    assert len(body) <= MIN_MAX_BODY_BYTES
+    clock = asyncio.get_running_loop().time
+    stop = asyncio.Event()
+    gaps: list[tuple[float, float]] = []  # (from, to): between two chunks of one stream
+    polls: list[tuple[float, float]] = []  # (sent, answered): one /health each
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as http:
+
+        async def keep_streaming(streaming: asyncio.Event) -> None:  # one stream after another, until stop
+            while not stop.is_set():
+                async with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, **LONGEST, "stream": True}) as r:
+                    last = None
+                    async for _ in r.aiter_lines():
+                        if last is not None:
+                            gaps.append((last, clock()))
+                        last = clock()
+                        streaming.set()
+                        if stop.is_set():
+                            return
+
+        async def poll_health() -> None:
+            while not stop.is_set():
+                sent = clock()
+                assert (await http.get("/health")).status_code == 200
+                polls.append((sent, clock()))
+                await asyncio.sleep(0.05)
+
+        streaming = asyncio.Event()
+        tasks = [asyncio.create_task(keep_streaming(streaming)), asyncio.create_task(poll_health())]
+        await asyncio.wait_for(streaming.wait(), DEADLINE_S)
+        start = clock()
+        r = await http.post("/v1/chat/completions", content=body, headers=JSON)
+        end = clock()
+        await asyncio.sleep(1.0)  # what the server does after answering (freeing the body) counts too
+        stop.set()
+        await asyncio.gather(*tasks)
+    error = error_of(r, 400)
+    assert error["param"] == "messages" and "max_model_len" in error["message"], error
+    in_window = lambda spans: [b - a for a, b in spans if b >= start and a <= end + 1.0]  # noqa: E731
+    stream_gaps_s, health_s = in_window(gaps), in_window(polls)
+    print(f"refused after {end - start:.2f} s; largest stream gap {max(stream_gaps_s):.3f} s of {len(stream_gaps_s)}; "
+          f"slowest /health {max(health_s):.3f} s of {len(health_s)}")
+    assert len(stream_gaps_s) > 5 and len(health_s) > 2  # both went on while the body was read and refused
+    assert max(stream_gaps_s) < 1.0 and max(health_s) < 1.0
+    await served_and_nothing_held(server)
+
 # ---- 2. a client that hangs up, streamed or not, waiting or running ---------------------------
 async def test_every_disconnect_aborts_its_request(server):
     """Four clients hang up: one non-streamed and one streamed request generating, one of each waiting."""
@@ -210,6 +263,8 @@ async def test_every_disconnect_aborts_its_request(server):
 
 # ---- 3. and 4. malformed input: OpenAI-shaped 4xx naming the field ----------------------------
 MESSAGES = [{"role": "user", "content": "hi"}]
+CHAT = ("/v1/chat/completions", {"messages": MESSAGES})
+COMPLETIONS = ("/v1/completions", {"prompt": "hi"})
 MALFORMED = [  # (name, path, body bytes, headers, status, param, words)
     ("max_tokens 2**70", "/v1/completions", {"prompt": "hi", "max_tokens": 2**70}, None, 400, "max_tokens", "less than"),
     ("seed 2**70", "/v1/completions", {"prompt": "hi", "seed": 2**70}, None, 400, "seed", "less than"),
@@ -237,6 +292,39 @@ MALFORMED = [  # (name, path, body bytes, headers, status, param, words)
      None, 400, "top_logprobs", "top_logprobs must be in [0, 20]"),  # fmt: skip
     ("repetition_penalty 1e-300", "/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-300}, None, 400,
      "repetition_penalty", "repetition_penalty must be in"),  # fmt: skip
+    *[(f"{field} {json.dumps(value)} ({path[4:]})", path, {**base, **extra, field: value}, None, 400, field,
+       "not supported") for (path, base), extra, field, value in [
+        (CHAT, {"tool_choice": "required"}, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (CHAT, {}, "tool_choice", "required"),
+        (CHAT, {}, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+        (CHAT, {}, "functions", [{"name": "f"}]),
+        (CHAT, {}, "function_call", {"name": "f"}),
+        (CHAT, {}, "response_format", {"type": "json_object"}),
+        (COMPLETIONS, {}, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        (CHAT, {}, "logit_bias", {"5": 10}),
+        (COMPLETIONS, {}, "logit_bias", {"5": -100}),
+        (COMPLETIONS, {}, "suffix", "!"),
+        (COMPLETIONS, {}, "best_of", 3),
+        (COMPLETIONS, {}, "best_of", True),
+        (CHAT, {}, "audio", {"voice": "alloy", "format": "wav"}),
+        (CHAT, {}, "modalities", ["text", "audio"]),
+        (CHAT, {}, "prediction", {"type": "content", "content": "hi"}),
+        (CHAT, {}, "web_search_options", {}),
+        (CHAT, {"stream": True}, "stream_options", {"include_obfuscation": True}),
+    ]],  # fmt: skip
+    ('stream_options include_usage "yes"', "/v1/chat/completions",
+     {"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, None, 400, "stream_options",
+     "valid boolean"),  # fmt: skip
+    ("stream_options without stream", "/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     None, 400, "stream_options", "only allowed when stream is true"),  # fmt: skip
+    ("stream_options with stream false", "/v1/chat/completions",
+     {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}}, None, 400, "stream_options",
+     "only allowed when stream is true"),  # fmt: skip
+    ("stream_options unknown", "/v1/completions",
+     {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, None, 400, "stream_options",
+     "not permitted"),  # fmt: skip
+    ('parallel_tool_calls "yes"', "/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}, None, 400,
+     "parallel_tool_calls", "valid boolean"),  # fmt: skip
 ]
 
 
@@ -248,6 +336,31 @@ async def test_malformed_input_is_an_openai_4xx_naming_the_field(server, name, p
     error = error_of(r, status)
     assert error["param"] == param and words in error["message"], error
     assert error["message"].count(f"{param}: {param}") == 0  # a field is named once
+    await served_and_nothing_held(server)
+
+
+ASKS_NOTHING = [  # OpenAI's fields asyncpp does not implement, at values that ask for nothing (vLLM takes them too)
+    (CHAT, {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "functions": [], "function_call": "none",
+            "response_format": {"type": "text"}, "logit_bias": {}, "modalities": ["text"], "audio": None,
+            "prediction": None, "web_search_options": None, "stream_options": None}),
+    (CHAT, {"tool_choice": "auto", "function_call": "auto", "logit_bias": None, "response_format": None}),
+    (COMPLETIONS, {"suffix": None, "best_of": 1, "logit_bias": {}, "response_format": {"type": "text"},
+                   "stream_options": None}),
+    (COMPLETIONS, {"suffix": "", "best_of": None, "stream": True,
+                   "stream_options": {"include_usage": True, "include_obfuscation": False}}),
+    (CHAT, {"not_an_openai_field": {"anything": [1]}, "stream": False}),  # ignored, as OpenAI's server does
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("endpoint,fields", ASKS_NOTHING, ids=[f"{e[0][4:]} {sorted(f)}"[:80] for e, f in ASKS_NOTHING])
+async def test_openai_fields_at_values_that_ask_for_nothing_are_served(server, endpoint, fields):
+    path, base = endpoint
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=DEADLINE_S) as http:
+        r = await http.post(path, json={**base, **fields, "max_tokens": 2})
+    check_answer(r)
+    assert r.status_code == 200, r.text
+    if fields.get("stream"):
+        assert '"usage"' in r.text  # include_usage: a last chunk with the usage
     await served_and_nothing_held(server)
 
 
@@ -389,4 +502,36 @@ async def test_a_body_over_the_limit_is_a_413_unread(server, tiny_hf_dir):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
             error = error_of(await http.post("/v1/completions", content=body, headers=JSON), 413)
             assert f"over the {MIN_MAX_BODY_BYTES}-byte limit" in error["message"]
+    await served_and_nothing_held(server)
+
+
+async def test_a_big_body_is_refused_by_its_size_before_it_is_validated(server, tiny_hf_dir):
+    """Over OFF_LOOP_BODY_BYTES, what cannot fit max_model_len whatever its details is refused before
+    the validation that would name the bad item at the end; a small body is validated first, as ever."""
+    tokenizer = load_tokenizer("hf", str(tiny_hf_dir), 320)
+    app = build_app(HttpSettings(server.address, MODEL, 256), InputProcessor(tokenizer, 320, 256))
+    robot = {"role": "robot", "content": ""}  # not a role: validation names it
+    cases = [  # (path, body, big: refused by size, else validated first)
+        ("/v1/chat/completions", {"messages": [{"role": "developer", "content": ""}] * 20_000 + [robot]}, True),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 300 + [robot]}, False),
+        ("/v1/completions", {"prompt": [7] * 100_000 + ["x"]}, True),
+        ("/v1/completions", {"prompt": ["x"] * 100_000 + [7]}, True),
+        ("/v1/completions", {"prompt": [7] * 300 + ["x"]}, False),  # (300 tokens would not fit either)
+    ]
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
+            for path, body, big in cases:
+                content = json.dumps(body).encode()
+                assert (len(content) > OFF_LOOP_BODY_BYTES) == big
+                error = error_of(await http.post(path, content=content, headers=JSON), 400)
+                param = "messages" if path == "/v1/chat/completions" else "prompt"
+                assert error["param"] == param, error
+                if not big:  # the validation's word on the bad item, as before
+                    assert error["message"].startswith(f"{param}.") and "max_model_len" not in error["message"], error
+                elif param == "messages":
+                    assert error["message"].startswith("messages (20001) are more than max_model_len 256"), error
+                elif body["prompt"][0] == 7:
+                    assert error["message"] == "prompt has 100001 tokens, longer than max_model_len 256", error
+                else:
+                    assert error["message"] == "one prompt per request is supported, got 100001", error
     await served_and_nothing_held(server)
