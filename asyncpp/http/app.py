@@ -56,7 +56,7 @@ from asyncpp.http.front_door import (
 from asyncpp.http.metrics import HttpMetrics, RequestTimes
 from asyncpp.http.protocol import ChatCompletionRequest, CompletionRequest, one_prompt
 from asyncpp.logging import get_logger
-from asyncpp.sampling.params import SamplingParams
+from asyncpp.sampling.params import SamplingParams, check_list_lengths
 from asyncpp.wire.client_msgs import RequestDelta
 
 # Bodies are read up to max(this, 4 x the engine's frame limit): room for any prompt that can fit.
@@ -132,12 +132,19 @@ def build_app(
     # What a big body cannot fit whatever its details, refused before it is validated (which for a
     # million items takes seconds): more chat messages or prompt token ids than max_model_len tokens
     # can hold, several prompts.
+    # Lists the sampling parameters bound (stop strings, stop token ids) and content parts (more than
+    # max_model_len in one request: no template makes them fit) are refused by their lengths too.
     def check_chat_size(body: dict[str, Any]) -> None:
         if isinstance(messages := body.get("messages"), list):
             try:
                 processor.check_chat_size(messages, {"developer": "system"})  # as `engine_prompt` sends them
+                num_parts = sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+                if num_parts > settings.max_model_len:
+                    message = f"{num_parts} content parts, more than max_model_len {settings.max_model_len} can hold"
+                    raise InvalidRequestError("messages", message)
             except InvalidRequestError as e:
                 raise invalid(e) from e
+        check_list_sizes(body)
 
     def check_prompt_size(body: dict[str, Any]) -> None:
         if isinstance(prompt := body.get("prompt"), list) and len(prompt) > settings.max_model_len:
@@ -148,6 +155,15 @@ def build_app(
                     processor.check_lengths(len(prompt), 0)
             except InvalidRequestError as e:
                 raise invalid(e) from e
+        check_list_sizes(body)
+
+    def check_list_sizes(body: dict[str, Any]) -> None:
+        stop, stop_token_ids = body.get("stop"), body.get("stop_token_ids")
+        try:
+            check_list_lengths(len(stop) if isinstance(stop, list) else 0,
+                               len(stop_token_ids) if isinstance(stop_token_ids, list) else 0, processor.vocab_size)  # fmt: skip
+        except InvalidRequestError as e:
+            raise invalid(e) from e
 
     @app.get("/health")
     async def health() -> Response:

@@ -17,6 +17,8 @@ from asyncpp.errors import InvalidRequestError
 _GREEDY_EPS = 1e-5
 # Seen logits are divided or multiplied by the penalty in float32: within this range they stay finite.
 _REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# vLLM sets no bound; every stop string is looked for after every token of the request, in the engine's loop.
+MAX_STOP_STRINGS = 256
 
 
 @dataclass(frozen=True)
@@ -92,6 +94,7 @@ class SamplingParams:
             _check_number(name, value)
             if not -2.0 <= value <= 2.0:
                 raise _bad(name, f"must be in [-2, 2], got {value}")
+        check_list_lengths(len(self.stop), len(self.stop_token_ids), vocab_size)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", f"must be a list of non-empty strings, got {s!r}")
@@ -137,3 +140,13 @@ def _check_number(name: str, value: Any) -> None:
     # Infinity passes every range check below and turns the sampler's arithmetic into NaN.
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise _bad(name, f"must be a finite number, got {value!r}")
+
+
+def check_list_lengths(num_stop: int, num_stop_token_ids: int, vocab_size: int | None = None) -> None:
+    """The lists a request carries, bounded by their lengths alone (so that a front end can refuse a
+    million of them before it looks at each): every stop string is looked for after every token, and
+    more stop token ids than the vocabulary has tokens can only repeat some."""
+    if num_stop > MAX_STOP_STRINGS:
+        raise _bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings, got {num_stop}")
+    if vocab_size is not None and num_stop_token_ids > vocab_size:
+        raise _bad("stop_token_ids", f"must hold at most {vocab_size} entries (the vocabulary's size), got {num_stop_token_ids}")

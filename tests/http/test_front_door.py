@@ -32,6 +32,7 @@ from asyncpp.engine.input_processor import InputProcessor
 from asyncpp.errors import InvalidRequestError
 from asyncpp.http.app import MIN_MAX_BODY_BYTES, HttpSettings, build_app
 from asyncpp.http.front_door import OFF_LOOP_BODY_BYTES
+from asyncpp.sampling.params import MAX_STOP_STRINGS
 from asyncpp.tokenizer import load_tokenizer
 from tests.http.test_openai_server import free_port, metric_values
 from tests.runtime.conftest import poll_until
@@ -517,6 +518,10 @@ async def test_a_big_body_is_refused_by_its_size_before_it_is_validated(server, 
         ("/v1/completions", {"prompt": [7] * 100_000 + ["x"]}, True),
         ("/v1/completions", {"prompt": ["x"] * 100_000 + [7]}, True),
         ("/v1/completions", {"prompt": [7] * 300 + ["x"]}, False),  # (300 tokens would not fit either)
+        # Lists bounded by their lengths: stop strings, stop token ids (vocabulary 320), content parts.
+        ("/v1/completions", {"prompt": "x", "stop": ["x"] * 100_000 + [7]}, True),
+        ("/v1/completions", {"prompt": "x", "stop_token_ids": [7] * 100_000 + ["x"]}, True),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 30_000 + [7]}]}, True),
     ]
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as http:
@@ -524,9 +529,14 @@ async def test_a_big_body_is_refused_by_its_size_before_it_is_validated(server, 
                 content = json.dumps(body).encode()
                 assert (len(content) > OFF_LOOP_BODY_BYTES) == big
                 error = error_of(await http.post(path, content=content, headers=JSON), 400)
-                param = "messages" if path == "/v1/chat/completions" else "prompt"
+                param = "messages" if path == "/v1/chat/completions" else next(iter({"stop", "stop_token_ids"} & body.keys()), "prompt")
                 assert error["param"] == param, error
-                if not big:  # the validation's word on the bad item, as before
+                if param in ("stop", "stop_token_ids"):
+                    assert error["message"] in (f"stop must hold at most {MAX_STOP_STRINGS} strings, got 100001",
+                                                "stop_token_ids must hold at most 320 entries (the vocabulary's size), got 100001"), error  # fmt: skip
+                elif param == "messages" and isinstance(body["messages"][0]["content"], list):
+                    assert error["message"] == "30001 content parts, more than max_model_len 256 can hold", error
+                elif not big:  # the validation's word on the bad item, as before
                     assert error["message"].startswith(f"{param}.") and "max_model_len" not in error["message"], error
                 elif param == "messages":
                     assert error["message"].startswith("messages (20001) are more than max_model_len 256"), error
