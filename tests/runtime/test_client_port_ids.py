@@ -23,6 +23,7 @@ from asyncpp.wire.client_msgs import (
 )
 from asyncpp.wire.codec import encode
 from asyncpp.wire.queues import DealerQueue, RouterQueue
+from tests.runtime.test_client_port_roles import _done, reply
 
 PREFILL = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "k"}
 
@@ -67,14 +68,6 @@ async def served():
         client.close()
     task.cancel()
     router.close()
-
-
-async def _done(value):
-    return value
-
-
-async def reply(dealer: DealerQueue):
-    return await asyncio.wait_for(dealer.get(), 5.0)
 
 
 async def synced(dealer: DealerQueue, nonce: int) -> None:
