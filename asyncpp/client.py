@@ -72,9 +72,13 @@ class ClientRefusedError(PermissionError):
 
 
 class AsyncClient:
-    def __init__(self, address: str, max_frame_bytes: int | None = None, *, secret: str = "", role: str = CLIENT) -> None:
+    def __init__(
+        self, address: str, max_frame_bytes: int | None = None, *, secret: str = "", role: str = CLIENT,
+        watch_connection: bool = False,
+    ) -> None:  # fmt: skip
         self.address = address
-        self._queue = DealerQueue(address, max_frame_bytes, role, secret)
+        self._queue = DealerQueue(address, max_frame_bytes, role, secret, watch_connection)
+        self.watches_connection = watch_connection  # `on_connection` needs it
         self._streams: dict[str, _Stream] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
@@ -113,6 +117,8 @@ class AsyncClient:
     def on_connection(self, listener: Callable[[bool], None]) -> None:
         """Call `listener(True)` each time a connection to the engine is made, `listener(False)` each
         time it is lost (at once with True if one is up now; in a running loop)."""
+        if not self.watches_connection:
+            raise RuntimeError("on_connection needs an AsyncClient made with watch_connection=True")
         self._connection_listeners.append(listener)
         self._ensure_reader()
         if self.is_connected:

@@ -92,7 +92,9 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = AsyncClient(settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret)
+        client = AsyncClient(
+            settings.engine_address, settings.max_frame_bytes, secret=settings.client_secret, watch_connection=True
+        )
         guard = EngineGuard(
             client, settings.engine_id, exits_when_lost=settings.exits_when_engine_lost, on_fatal=on_fatal
         )

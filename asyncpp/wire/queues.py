@@ -211,13 +211,20 @@ class DealerQueue:
     """Client side of the client channel; `max_frame_bytes`: the engine's limit, if known; `role`
     and `secret`: what it presents (`wire.client_auth`)."""
 
-    def __init__(self, address: str, max_frame_bytes: int | None = None, role: str = CLIENT, secret: str = "") -> None:
+    def __init__(
+        self, address: str, max_frame_bytes: int | None = None, role: str = CLIENT, secret: str = "",
+        watch_connection: bool = False,
+    ) -> None:  # fmt: skip
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.plain_username = role.encode()
         sock.plain_password = (secret or "none").encode()  # PLAIN takes no empty password
         # Before connecting: a refusal of our credentials is seen on the monitor, never as a frame,
-        # and so is the connection made or lost (ZMQ reconnects without a word).
-        self._monitor = LoopSocket(sock.get_monitor_socket(_CONNECTION_EVENTS, monitor_address()))
+        # and with `watch_connection` so is the connection made or lost (ZMQ reconnects without a
+        # word). Only then: ZMQ's I/O thread sends a socket's monitor events, blocking while the
+        # monitor's reader is not there, so a socket with them whose monitor closed (or was never
+        # read) can stall every connection of the process. Its owner must read `next_event` always.
+        events = _CONNECTION_EVENTS if watch_connection else REFUSAL_EVENTS
+        self._monitor = LoopSocket(sock.get_monitor_socket(events, monitor_address()))
         self._sock = _configured(sock, address, bind=False)
         self._io = LoopSocket(self._sock)
         self.max_frame_bytes = min(max_frame_bytes or _HARD_MAX_FRAME_BYTES, _HARD_MAX_FRAME_BYTES)
@@ -257,5 +264,9 @@ class DealerQueue:
                 return reason
 
     def close(self) -> None:
+        # The monitor first detached from the socket, then both closed: a socket closed with its
+        # monitor attached (its DISCONNECTED event on the way) can leave ZMQ's I/O thread stuck,
+        # and with it every connection this process makes afterwards.
+        self._sock.disable_monitor()
         self._monitor.close()
         self._io.close()
