@@ -1,7 +1,11 @@
-"""Sockets that watch their connection (`DealerQueue(watch_connection=True)`) and close while
-connected never stall ZMQ's I/O thread: its monitor is detached before it closes, so the
-disconnect event has nowhere to block. A stalled I/O thread would stop every later connection
-of the process (in the test suite: every router test after the first such close)."""
+"""Which client sockets watch their connection, and that watching ones close cleanly.
+
+Only a socket made with `watch_connection=True` (the HTTP server's one client) has its monitor
+report connections made and lost: with those events on every client socket, a process that made
+and closed many (the PD router tests, in process) stopped completing ZMQ handshakes, and every
+later test timed out. A plain socket reports a refusal only. A watching socket closed while
+connected (its monitor detached first) leaves later connections working.
+"""
 
 from __future__ import annotations
 
