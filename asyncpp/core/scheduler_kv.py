@@ -307,16 +307,15 @@ class KVTransferScheduling:
         self._unsent_held.append(request_id)
         self._send_deadlines[request_id] = self._clock() + self.connector.send_timeout_s
 
-    def withdraw_send(self, request_id: str) -> bool:
+    def withdraw_send(self, request_id: str) -> None:
         """Nobody will read what a finished request's params hand out (its answer ended at the token
         they carry: a stop string): the next plan aborts its send on every stage, which frees its
-        blocks once all have reported, not at the send deadline. False if it is not held."""
+        blocks once all have reported, not at the send deadline. Nothing if it is not held."""
         if request_id not in self._held:
-            return False
+            return
         self._send_deadlines.pop(request_id, None)
         if request_id not in self._unsent_aborted:
             self._unsent_aborted.append(request_id)
-        return True
 
     def _build_connector_meta(self, step: StepBuilder) -> KVConnectorMetadata:
         self._expire_transfers()

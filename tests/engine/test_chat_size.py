@@ -54,6 +54,8 @@ def test_one_message_past_what_fits_is_refused_before_the_template_runs():
     with pytest.raises(InvalidRequestError, match="messages"):
         p.tokenize(empty(1_000_000))
     assert max(p.tokenizer.rendered[probes:]) < MAX_MODEL_LEN
+    p.check_chat_size(empty(MAX_MODEL_LEN))  # exactly what fits: not refused by number
+    p.check_chat_size(empty(MAX_MODEL_LEN // 2 + 1))
 
 
 def test_the_chatml_template_costs_every_role_a_token():

@@ -46,6 +46,7 @@ def test_any_bytes_get_the_same_value_or_error(body):
     b'\xef\xbb\xbf{"a": [1]}', '{"a": ["\u00e9"]}'.encode("utf-16"), b'{"a": ["\xed\xa0\x80"]}',
     b'{"a": [NaN, Infinity]}', b'{"a": [1], "a": [2]}', b' {"a" : [ ] , "b" : { } } ', b'{}', b'[1, 2]',
     b'{"a": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}", b'{"a": [1' + b"0" * 5000 + b"]}",
+    b'{}x', b'{"a": []}x', b'{"a": [1]}x', b'{"a": {}}x',
 ])  # fmt: skip
 def test_edge_bodies_get_the_same_value_or_error(body):
     same_as_json_loads(body)
