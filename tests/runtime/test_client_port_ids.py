@@ -122,12 +122,17 @@ async def test_two_clients_with_one_id_are_served_apart_and_one_reusing_its_live
         assert sink.taken[-1].request_id == "same"
 
 
+async def both_send_r(a: DealerQueue, b: DealerQueue) -> None:
+    """Clients a and b each send a request "r" (engine ids "r" and "r@1"), in that order."""
+    for client, nonce in ((a, 1), (b, 2)):
+        await client.put(GenerateRequest("r", "x"))
+        await synced(client, nonce)
+
+
 async def test_an_error_reaches_the_client_under_its_own_id(served):
     port, sink, (a, b, _) = served
     async with asyncio.timeout(30):
-        for client, nonce in ((a, 1), (b, 2)):
-            await client.put(GenerateRequest("r", "x"))
-            await synced(client, nonce)
+        await both_send_r(a, b)
         await port.send_error("r@1", "engine is dead", "engine_dead")
         assert await reply(b) == ErrorReply("r", "engine is dead", "engine_dead")
         await synced(a, 3)  # nothing for a
@@ -137,9 +142,7 @@ async def test_an_error_reaches_the_client_under_its_own_id(served):
 async def test_a_client_gone_aborts_its_own_requests_only(served):
     port, sink, (a, b, _) = served
     async with asyncio.timeout(30):
-        for client, nonce in ((a, 1), (b, 2)):
-            await client.put(GenerateRequest("r", "x"))
-            await synced(client, nonce)
+        await both_send_r(a, b)
         port.drop_peer(port.peer_of["r@1"])
         assert sink.aborted == ["r@1"] and list(port.peer_of) == ["r"]
 

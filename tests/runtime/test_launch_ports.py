@@ -53,25 +53,15 @@ def assert_refused(code: int, output: str, pattern: str) -> None:
     assert "Traceback" not in output and "OpenAI API on" not in output and "asyncpp ready" not in output, output
 
 
-async def test_a_taken_http_port_is_exit_2_before_the_model_loads(holder, tmp_path, tiny_hf_dir):
+@pytest.mark.parametrize("key,attr", [("http_port", "http_port"), ("port", "port")], ids=["http_port", "client_port"])
+async def test_a_taken_port_is_exit_2_before_the_model_loads(holder, tmp_path, tiny_hf_dir, key, attr):
     async with asyncio.timeout(120):
-        sections = tiny_sections(tiny_hf_dir, 1, server={"http_port": holder.http_port})
-        code, output, took_s, log = launch(tmp_path, sections)
-        assert_refused(code, output, rf"server.http_port {holder.http_port} on 127\.0\.0\.1 is already in use")
+        taken = getattr(holder, attr)
+        code, output, took_s, log = launch(tmp_path, tiny_sections(tiny_hf_dir, 1, server={key: taken}))
+        assert_refused(code, output, rf"server.{key} {taken} on 127\.0\.0\.1 is already in use")
         assert not any(event in log for event in STAGE_EVENTS), log
         assert took_s < QUICK_S
-        print(f"\ntaken server.http_port refused in {took_s:.2f} s")
-        await served_and_nothing_held(holder.base_url)
-
-
-async def test_a_taken_client_port_is_exit_2_before_the_model_loads(holder, tmp_path, tiny_hf_dir):
-    async with asyncio.timeout(120):
-        sections = tiny_sections(tiny_hf_dir, 1, server={"port": holder.port})
-        code, output, took_s, log = launch(tmp_path, sections)
-        assert_refused(code, output, rf"server.port {holder.port} on 127\.0\.0\.1 is already in use")
-        assert not any(event in log for event in STAGE_EVENTS), log
-        assert took_s < QUICK_S
-        print(f"\ntaken server.port refused in {took_s:.2f} s")
+        print(f"\ntaken server.{key} refused in {took_s:.2f} s")
         await served_and_nothing_held(holder.base_url)
 
 
