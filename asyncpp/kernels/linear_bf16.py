@@ -30,7 +30,10 @@ _SIGNATURES = {
     "linear_bf16_q": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "linear_bf16_q_f32out": ([_INT, _PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _INT], _INT),
     "linear_bf16_q_dequant_rows": ([_INT, _PTR, _I64, _PTR, _I64, _PTR], None),
+    "linear_bf16_set_fma_min_rows": ([_I64, _I64], None),
+    "linear_bf16_fma_min_rows": ([_INT], _I64),
 }
+NEVER = 2**63 - 1  # fma_min_rows: no row count takes the float32 FMA path
 # GGUF block formats the kernel multiplies in place, by qlinear's codes (linear_bf16.c shares them).
 BLOCK_FORMAT_CODES = {fmt: FORMATS[fmt] for fmt in BLOCK_FORMATS}
 # Output dtypes: the float32 sums rounded to bfloat16 once (activations), or kept (logits).
@@ -45,6 +48,20 @@ class Bf16Linear:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, restype
         self._lib = lib
+
+    @property
+    def library(self) -> ctypes.CDLL:
+        return self._lib
+
+    def set_fma_min_rows(self, float_rows: int | None, block_rows: int | None) -> None:
+        """From how many rows float weights and GGUF blocks take the float32 FMA path (None: never), in
+        this process. The path gives the same bits (`bf16_fma.h`), so this changes speed only."""
+        self._lib.linear_bf16_set_fma_min_rows(float_rows or 0, block_rows or 0)
+
+    def fma_min_rows(self) -> tuple[int | None, int | None]:
+        """(float weights, GGUF blocks): the rows from which each takes the FMA path, None for never."""
+        rows = (self._lib.linear_bf16_fma_min_rows(0), self._lib.linear_bf16_fma_min_rows(1))
+        return tuple(None if r == NEVER else r for r in rows)  # type: ignore[return-value]
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.detach().contiguous()
@@ -171,11 +188,20 @@ class Bf16NativeKernel:
 
 
 @functools.cache
-def _kernel(isa: str) -> Bf16Linear | None:
+def bf16_kernel(isa: str) -> Bf16Linear | None:
+    """The kernel library built for `isa`, one per process (None: no AVX512-BF16 at `isa`, or no build)."""
     lib = load_kernel_library("linear_bf16", isa)
     if lib is None or not lib.linear_bf16_supported():
         return None
     return Bf16Linear(lib)
+
+
+def use_fma_min_rows(float_rows: int | None, block_rows: int | None) -> None:
+    """This process's bfloat16 linears take float32 FMA from these rows on (the plan's choice); a no-op
+    where the kernel does not load."""
+    kernel = bf16_kernel("avx512_bf16")
+    if kernel is not None:
+        kernel.set_fma_min_rows(float_rows, block_rows)
 
 
 def bf16_native_kernel(isa: str | None = None) -> Bf16NativeKernel | None:
@@ -184,7 +210,7 @@ def bf16_native_kernel(isa: str | None = None) -> Bf16NativeKernel | None:
     isa = isa or native_level()
     if isa not in ("avx512_bf16", "amx"):
         return None
-    kernel = _kernel("avx512_bf16")
+    kernel = bf16_kernel("avx512_bf16")
     return None if kernel is None else Bf16NativeKernel(kernel)
 
 
@@ -194,4 +220,4 @@ def linear_bf16_kernel(device: torch.device | str, dtype: torch.dtype, isa: str 
     isa = isa or native_level()
     if torch.device(device).type != "cpu" or dtype != torch.bfloat16 or isa != "avx512_bf16":
         return None
-    return _kernel(isa)
+    return bf16_kernel(isa)
