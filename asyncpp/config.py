@@ -44,6 +44,10 @@ class ModelConfig:
     # bfloat16 CPU linears: "auto" = asyncpp's AVX512-BF16 kernel where the CPU has it and no
     # AMX, else oneDNN; "onednn" = always oneDNN (the same numbers as F.linear).
     linear_kernel: str = "auto"
+    # The bfloat16 kernel's rows: from how many a linear multiplies with float32 FMA instead of
+    # vdpbf16ps (the same bits, faster on CPUs whose FMA outruns vdpbf16ps): -1 = measured on this
+    # CPU at start-up and cached per CPU (asyncpp.kernels.linear_choice), 0 = never, N = from N rows.
+    fma_min_rows: int = -1
     # The CPU kernels' ISA level: "auto" = the best this CPU runs, or one of ISA_LEVELS to force a
     # lower one (torch's own kernels are capped too). A level the CPU lacks fails at start-up.
     cpu_isa: str = "auto"
@@ -65,6 +69,8 @@ class ModelConfig:
             raise ConfigError(f"model.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.linear_kernel not in _LINEAR_KERNELS:
             raise ConfigError(f"model.linear_kernel must be one of {_LINEAR_KERNELS}, got {self.linear_kernel!r}")
+        if self.fma_min_rows < -1:
+            raise ConfigError(f"model.fma_min_rows must be -1 (measure), 0 (never) or a row count, got {self.fma_min_rows}")
         if self.cpu_isa not in _CPU_ISAS:
             raise ConfigError(f"model.cpu_isa must be one of {_CPU_ISAS}, got {self.cpu_isa!r}")
         if self.weight_format not in _WEIGHT_FORMATS:

@@ -100,6 +100,7 @@ def stage_args_for(
             graph_sizes=step_graph_sizes(config, devices[rank]),
             max_model_len=capacity.max_model_len,
             linear_kernel=config.model.linear_kernel,
+            fma_min_rows=plan.fma_min_rows,
             num_threads=config.parallel.num_threads,
             block_size=config.cache.block_size,
             kv_cache_memory_mb=config.cache.kv_cache_memory_mb,

@@ -5,8 +5,10 @@
 Every linear of the model (30 layers' qkv, o, gate_up and down, and the tied
 lm_head: 97 MB of GGUF blocks, more than the L3 cache) runs once per pass,
 as a decode step does. For each ISA level: native float32 (`qlinear`),
-native bfloat16 (`linear_bf16` over the blocks, AVX512-BF16 only) and the
-float path's bfloat16 weights, at each row count. Reported: milliseconds per
+native bfloat16 (`linear_bf16` over the blocks, AVX512-BF16 only) by
+vdpbf16ps and by float32 FMA (the same bits), the float path's bfloat16
+weights both ways, and oneDNN's bfloat16 `F.linear` (vLLM's path), at each
+row count. Reported: milliseconds per
 pass, GB/s of weights read (one row: the memory-bound case), GMAC/s, and a
 one-thread `memcpy` of a 256 MB buffer (bytes copied per second) as the
 reference, measured in the same run: "the decode linear at one row reads
@@ -19,6 +21,8 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
@@ -68,34 +72,50 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_level(isa: str, linears: list[StoredTensor], rows: list[int], repeats: int) -> list[dict]:
-    results = []
-    kernels = []
+def _kernels(isa: str) -> list[tuple[str, object, torch.dtype, Callable, Callable | None]]:
+    """(name, kernel, activation dtype, pack(stored) -> (fmt, packed), fma_min_rows setter or None) per path:
+    native float32, native bfloat16 by vdpbf16ps and by float32 FMA (the same bits), the float path's
+    bfloat16 weights both ways, and oneDNN's bfloat16 matmul (`F.linear`, what vLLM runs)."""
+    out = []
     q = qlinear_kernel(isa)
     if q is not None:
-        kernels.append(("native float32", q, torch.float32, lambda w: (w.format, q.pack(w.format, w.rows, *w.shape))))
+        out.append(("native float32", q, torch.float32, lambda w: (w.format, q.pack(w.format, w.rows, *w.shape)), None))
     b = bf16_native_kernel(isa)
     if b is not None:
-        kernels.append(("native bfloat16", b, torch.bfloat16, lambda w: (w.format, b.pack(w.format, w.rows, *w.shape))))
+        pack = lambda w: (w.format, b.pack(w.format, w.rows, *w.shape))  # noqa: E731
+        out.append(("native bf16 dpbf16", b, torch.bfloat16, pack, lambda: b.kernel.set_fma_min_rows(None, None)))
+        out.append(("native bf16 fma", b, torch.bfloat16, pack, lambda: b.kernel.set_fma_min_rows(1, 1)))
     f = linear_bf16_kernel("cpu", torch.bfloat16, isa)
-    if f is not None:
-        dq = qlinear_kernel(isa)
+    if f is not None and q is not None:
+        pack = lambda w: ("bf16", f.pack(_float_weight(q, w).to(torch.bfloat16)))  # noqa: E731
+        out.append(("float bf16 dpbf16", f, torch.bfloat16, pack, lambda: f.set_fma_min_rows(None, None)))
+        out.append(("float bf16 fma", f, torch.bfloat16, pack, lambda: f.set_fma_min_rows(1, 1)))
+    if q is not None:
+        onednn = SimpleNamespace(linear=lambda fmt, x, w, n: torch.nn.functional.linear(x, w))
+        out.append(("onednn bf16", onednn, torch.bfloat16, lambda w: ("bf16", _float_weight(q, w).to(torch.bfloat16)), None))
+    return out
 
-        def float_pack(w: StoredTensor):
-            weight = dq.dequant_rows(w.format, dq.pack(w.format, w.rows, *w.shape), w.shape[1], torch.arange(w.shape[0]))
-            return "bf16", f.pack(weight.to(torch.bfloat16))
 
-        kernels.append(("float bfloat16", f, torch.bfloat16, float_pack))
-    for name, kernel, dtype, pack in kernels:
+def _float_weight(q, w: StoredTensor) -> torch.Tensor:
+    """The GGUF weight dequantized to float32 (the float path's weights before their rounding)."""
+    return q.dequant_rows(w.format, q.pack(w.format, w.rows, *w.shape), w.shape[1], torch.arange(w.shape[0]))
+
+
+def bench_level(isa: str, linears: list[StoredTensor], rows: list[int], repeats: int) -> list[dict]:
+    """Every path of `_kernels` over all the model's linears, at each row count: a dict per (path, rows)."""
+    results = []
+    for name, kernel, dtype, pack, choose_path in _kernels(isa):
         packed = [(pack(w), w.shape) for w in linears]
         nbytes = sum(p.numel() * p.element_size() for (_, p), _ in packed)
         macs = sum(n * k for _, (n, k) in packed)
         for m in rows:
             xs = {k: torch.randn(m, k).to(dtype) for k in {k for _, (_, k) in packed}}
-            if name == "float bfloat16":
+            if name.startswith("float bf16"):
                 run = lambda: [kernel.linear(xs[k], p, n) for (_, p), (n, k) in packed]  # noqa: E731
             else:
                 run = lambda: [kernel.linear(fmt, xs[k], p, n) for (fmt, p), (n, k) in packed]  # noqa: E731
+            if choose_path is not None:
+                choose_path()
             seconds = _time(run, repeats)
             results.append({
                 "isa": isa, "kernel": name, "rows": m, "ms": seconds * 1e3, "weight_mb": nbytes / 1e6,
@@ -125,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             share = f", {100 * r['weights_gbps'] / copy:.0f}% of memcpy" if r["rows"] == 1 else ""
             print(
-                f"{r['isa']:>12} {r['kernel']:<16} rows {r['rows']:>4}: {r['ms']:8.2f} ms per pass "
+                f"{r['isa']:>12} {r['kernel']:<18} rows {r['rows']:>4}: {r['ms']:8.2f} ms per pass "
                 f"({r['weight_mb']:.0f} MB), {r['weights_gbps']:5.1f} GB/s of weights{share}, {r['gmacs']:6.1f} GMAC/s"
             )
     if ns.json:

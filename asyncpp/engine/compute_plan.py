@@ -16,16 +16,21 @@ activation ring takes the plan's resolved values, never the config's
   bfloat16 at a level with AVX512-BF16 (its kernel multiplies the blocks'
   values in bfloat16 dot products). "auto" is native wherever that holds and its
   kernel builds (a C compiler, kernels not disabled), else float: native is
-  as fast or faster at every load measured (README, "CPU speed").
+  as fast or faster at every load measured (README, "CPU speed");
+- bfloat16 linears on a CPU with AVX512-BF16: the row count from which they
+  multiply with float32 FMA instead of vdpbf16ps (the same bits, another
+  speed), measured on this CPU or forced by `model.fma_min_rows`
+  (`asyncpp.kernels.linear_choice`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from asyncpp.config import ConfigError, ModelConfig
 from asyncpp.kernels import isa as kernel_isa
+from asyncpp.kernels.linear_choice import NOT_APPLICABLE, LinearChoice
 
 # The levels whose dot products take bfloat16 natively, as a reason names them.
 _NATIVE_BF16 = {"avx512_bf16": "AVX512-BF16", "amx": "AMX-BF16"}
@@ -42,6 +47,12 @@ class ComputePlan:
     cpu_model: str
     cpu_features: dict[str, bool]
     best_isa: str  # the best level this CPU runs
+    linears: LinearChoice = field(default=NOT_APPLICABLE)  # bfloat16 linears: vdpbf16ps or float32 FMA by rows
+
+    @property
+    def fma_min_rows(self) -> tuple[int | None, int | None]:
+        """(float weights, GGUF blocks): the rows from which the stages' bfloat16 linears take float32 FMA."""
+        return self.linears.float_rows, self.linears.block_rows
 
     def describe(self) -> dict[str, Any]:
         """The plan as flat fields, for a structlog event or `client.stats()`."""
@@ -53,11 +64,13 @@ class ComputePlan:
             "weight_format": self.weight_format,
             "reason": self.reason,
             "cpu_features": dict(self.cpu_features),
+            **self.linears.describe(),
         }
 
     def summary(self) -> str:
         """One short line: `cpu: avx2 of avx512_bf16; dtype float32: <why>; weights float`."""
-        return f"cpu: {self.isa} of {self.best_isa}; dtype {self.reason}; weights {self.weight_format}"
+        text = f"cpu: {self.isa} of {self.best_isa}; dtype {self.reason}; weights {self.weight_format}"
+        return text if self.linears is NOT_APPLICABLE else f"{text}; {self.linears.summary()}"
 
 
 def resolve_compute_plan(
@@ -65,9 +78,11 @@ def resolve_compute_plan(
     devices: Sequence[str],
     info: kernel_isa.CpuInfo | None = None,
     native_kernel_builds: Callable[[str, str], bool] | None = None,
+    choose_linears: Callable[[str, int], LinearChoice] | None = None,
 ) -> ComputePlan:
     """The plan for `model` on the stages' `devices`; `info`: the CPU (default: this machine's);
-    `native_kernel_builds(dtype, isa)`: whether native weights' kernel builds here (default: try)."""
+    `native_kernel_builds(dtype, isa)`: whether native weights' kernel builds here (default: try);
+    `choose_linears(isa, model.fma_min_rows)`: the bfloat16 linears' choice (default: measure or cache)."""
     info = info or kernel_isa.cpu_info()
     try:
         isa = kernel_isa.resolve_isa(model.cpu_isa, info, key="model.cpu_isa")
@@ -81,6 +96,9 @@ def resolve_compute_plan(
         builds = native_kernel_builds or _native_kernel_builds
         native = not on_cuda and (dtype == "float32" or (dtype == "bfloat16" and kernel_isa.at_least(isa, "avx512_bf16")))
         weight_format = "native" if native and builds(dtype, isa) else "float"
+    linears = NOT_APPLICABLE
+    if not on_cuda and dtype == "bfloat16" and kernel_isa.at_least(isa, "avx512_bf16") and model.linear_kernel == "auto":
+        linears = (choose_linears or _choose_linears)(isa, model.fma_min_rows)
     return ComputePlan(
         isa=isa,
         dtype=dtype,
@@ -89,7 +107,17 @@ def resolve_compute_plan(
         cpu_model=info.model_name,
         cpu_features=info.features(),
         best_isa=info.best_level,
+        linears=linears,
     )
+
+
+def _choose_linears(isa: str, forced: int) -> LinearChoice:
+    """This machine's choice, where its CPU runs the bfloat16 kernel (a made-up CpuInfo does not count)."""
+    from asyncpp.kernels.linear_bf16 import bf16_kernel
+    from asyncpp.kernels.linear_choice import choose_fma_min_rows
+
+    kernel = bf16_kernel("avx512_bf16") if kernel_isa.cpu_info().supports(isa) else None
+    return NOT_APPLICABLE if kernel is None else choose_fma_min_rows(kernel, forced)
 
 
 def _native_kernel_builds(dtype: str, isa: str) -> bool:

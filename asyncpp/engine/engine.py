@@ -317,6 +317,7 @@ class Engine(EngineCore):
                 config.model.linear_kernel,
                 isa=plan.isa,
                 weight_format=plan.weight_format,
+                fma_min_rows=plan.fma_min_rows,
             )
             self.weight_bytes_per_stage.append(model.weight_nbytes())
             runner = build_runner(

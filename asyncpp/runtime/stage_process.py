@@ -89,6 +89,7 @@ class StageArgs:
     dtype: str  # resolved (`ComputePlan.dtype`), never "auto"
     device: str
     linear_kernel: str
+    fma_min_rows: tuple[int | None, int | None]  # the plan's: (float weights, GGUF blocks)
     num_threads: int
     block_size: int
     kv_cache_memory_mb: int
@@ -250,7 +251,7 @@ class Stage:
         dtype = torch_dtype(a.dtype)
         self.model = build_model_slice(
             a.model_source, a.model_path, arch, a.start_layer, a.end_layer, dtype, a.device, a.linear_kernel,
-            isa=a.isa, weight_format=a.weight_format,
+            isa=a.isa, weight_format=a.weight_format, fma_min_rows=a.fma_min_rows,
         )  # fmt: skip
         recv_spec = None
         if not a.is_first:

@@ -16,7 +16,7 @@ from asyncpp.dtypes import torch_dtype  # noqa: F401  (re-exported for callers)
 from asyncpp.kernels.fused_ops import fused_ops
 from asyncpp.kernels.isa import native_level
 from asyncpp.kernels.layer_stack import LayerStack
-from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel
+from asyncpp.kernels.linear_bf16 import bf16_native_kernel, linear_bf16_kernel, use_fma_min_rows
 from asyncpp.kernels.qlinear import qlinear_kernel
 from asyncpp.kv.sizing import num_blocks_for_budget
 from asyncpp.kv_transfer.base import KVConnectorWorker
@@ -45,6 +45,7 @@ def build_model_slice(
     linear_kernel: str = "auto",
     isa: str | None = None,
     weight_format: str = "float",
+    fma_min_rows: tuple[int | None, int | None] = (None, None),
 ) -> LlamaModel:
     """Load and build layers [start_layer, end_layer).
 
@@ -52,7 +53,9 @@ def build_model_slice(
     `weight_format`: "float" dequantizes to `dtype` at load; "native" keeps the
     file's format (GGUF blocks, float16, ...) and computes in float32 through
     `asyncpp.kernels.qlinear`, or in bfloat16 (AVX512-BF16) through
-    `linear_bf16`'s block variant (bfloat16 inputs times the exact weights)."""
+    `linear_bf16`'s block variant (bfloat16 inputs times the exact weights).
+    `fma_min_rows`: the compute plan's (float weights, GGUF blocks) rows from which
+    the bfloat16 kernel multiplies with float32 FMA (the same bits)."""
     log = get_logger(role="stage", start_layer=start_layer, end_layer=end_layer)
     t0 = time.perf_counter()
     native = weight_format == "native"
@@ -87,6 +90,8 @@ def build_model_slice(
     model = model.to(device=device, dtype=dtype)
     model.rope.to(dtype=torch.float32)  # cos/sin tables stay float32; cast per use
     bf16_kernel = linear_bf16_kernel(device, dtype, isa) if linear_kernel == "auto" else None
+    if on_cpu and dtype == torch.bfloat16 and fma_min_rows != (None, None):  # the plan chose on this CPU
+        use_fma_min_rows(*fma_min_rows)
     if model.is_last:  # before packing: the head keeps its own float32-output form
         model.lm_head = float32_logits_head(model.lm_head, bf16_kernel, isa)
     num_packed = 0
@@ -105,6 +110,7 @@ def build_model_slice(
         weight_mb=round(model.weight_nbytes() / 2**20, 1),
         fused_ops=model.fused is not None,
         layer_stack=model.stack is not None,
+        fma_min_rows=list(fma_min_rows),
         duration_s=round(time.perf_counter() - t0, 3),
     )
     return model

@@ -10,6 +10,7 @@ from asyncpp.engine.compute_plan import ComputePlan, compute_stats, resolve_comp
 from asyncpp.engine.engine import Engine
 from asyncpp.kernels import isa
 from asyncpp.kernels.isa import CpuInfo
+from asyncpp.kernels.linear_choice import NOT_APPLICABLE, LinearChoice
 from tests.conftest import tiny_config
 
 AVX2 = ("avx2", "fma", "f16c")
@@ -22,8 +23,43 @@ ARM = CpuInfo("Neoverse-V1", frozenset({"asimd", "bf16"}), "aarch64")
 CPU = ("cpu", "cpu")
 
 
+CHOSEN = LinearChoice(16, 32, "measured", "float32 FMA from 16 rows (made up)")
+
+
 def plan_for(info: CpuInfo, devices=CPU, builds: bool = True, **model) -> ComputePlan:
-    return resolve_compute_plan(ModelConfig(**model), devices, info, lambda dtype, level: builds)
+    asked = []
+
+    def choose(level: str, forced: int) -> LinearChoice:
+        asked.append((level, forced))
+        return CHOSEN
+
+    plan = resolve_compute_plan(ModelConfig(**model), devices, info, lambda dtype, level: builds, choose)
+    assert len(asked) == (plan.linears is CHOSEN)  # asked once where it applies, never elsewhere
+    assert all(a == (plan.isa, ModelConfig(**model).fma_min_rows) for a in asked)
+    return plan
+
+
+@pytest.mark.parametrize("info", [ZEN4, SAPPHIRE])
+def test_bfloat16_cpu_linears_choose_their_fma_rows_once(info):
+    plan = plan_for(info, fma_min_rows=8)
+    assert plan.linears is CHOSEN and plan.fma_min_rows == (32, 16)  # (float weights, GGUF blocks)
+    assert plan.summary().endswith("; linears float32 FMA from 16 rows (made up)")
+
+
+@pytest.mark.parametrize(
+    "info,devices,model",
+    [
+        (ZEN4, CPU, {"dtype": "float32"}),
+        (ZEN4, CPU, {"linear_kernel": "onednn"}),
+        (ZEN4, CPU, {"cpu_isa": "avx512"}),
+        (AVX2_ONLY, CPU, {}),
+        (ZEN4, ("cuda:0",), {"device": "cuda"}),
+    ],
+)
+def test_no_linear_choice_where_the_bfloat16_kernel_does_not_run(info, devices, model):
+    plan = plan_for(info, devices, **model)
+    assert plan.linears is NOT_APPLICABLE and plan.fma_min_rows == (None, None)
+    assert "linears" not in plan.summary()
 
 
 def test_auto_is_bfloat16_where_the_cpu_computes_it_natively():
@@ -101,7 +137,11 @@ def test_auto_is_bfloat16_on_cuda_whatever_the_cpu():
 def test_describe_and_stats_are_flat_plain_values():
     plan = plan_for(ZEN4)
     fields = plan.describe()
-    assert set(fields) == {"cpu_model", "isa", "best_isa", "dtype", "weight_format", "reason", "cpu_features"}
+    assert set(fields) == {
+        "cpu_model", "isa", "best_isa", "dtype", "weight_format", "reason", "cpu_features",
+        "fma_min_rows_blocks", "fma_min_rows_float", "linear_choice", "linear_reason",
+    }  # fmt: skip
+    assert (fields["fma_min_rows_blocks"], fields["fma_min_rows_float"], fields["linear_choice"]) == (16, 32, "measured")
     assert fields["cpu_features"] == ZEN4.features() and fields["cpu_features"] is not plan.cpu_features
     stats = compute_stats(plan, [1000, 2000])
     assert stats == {**fields, "weight_bytes_per_stage": [1000, 2000]}

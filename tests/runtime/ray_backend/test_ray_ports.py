@@ -23,7 +23,7 @@ def _stage_args(pp_size: int, addresses: RunAddresses) -> list[StageArgs]:
     return [
         StageArgs(
             pp_rank=rank, pp_size=pp_size, start_layer=rank, end_layer=rank + 1, model_source="none",
-            model_path=None, dtype="float32", device="cpu", linear_kernel="torch", num_threads=1,
+            model_path=None, dtype="float32", device="cpu", linear_kernel="torch", fma_min_rows=(None, None), num_threads=1,
             block_size=16, kv_cache_memory_mb=1, max_num_batched_tokens=16, num_ring_slots=2,
             transport="shm", addresses=addresses, async_scheduling=True,
         )  # fmt: skip
