@@ -14,6 +14,8 @@
 #
 # env: PEERS (default ../shared/peers next to this checkout), PEERS_DIR (their installs),
 #      PROMPTS_C1=16 PROMPTS_C16=64 PROMPTS_C64=128, SKIP="vllm-float32 ..." to leave servers out,
+#      WORKLOADS="1 16 64 long": concurrencies, and "long": prefill-bound, 1000 random words in (~1,050
+#      tokens), 16 out, concurrency 4, PROMPTS_LONG=16 prompts; its table gives mean and p99 TTFT,
 #      ROUNDS=1: runs per server and concurrency, each with its own prompt set (seed = concurrency +
 #      1000 x round); with more than one the table gives the median and the range (shared machines
 #      move by 10-20% from one minute to the next).
@@ -32,15 +34,18 @@ declare -A PROMPTS=([1]=${PROMPTS_C1:-16} [16]=${PROMPTS_C16:-64} [64]=${PROMPTS
 SKIP=${SKIP:-}
 PY=${PY:-python}
 ROUNDS=${ROUNDS:-1}
+WORKLOADS=${WORKLOADS:-"1 16 64 long"}
 
 lscpu > "$OUT/cpu.txt"
 
-load() {  # load NAME PORT CONCURRENCY ROUND: file NAME-cC.json (round 1) or NAME-cC-rR.json
-  local r=$4 f="$OUT/$1-c$3.json"; [ "$r" = 1 ] || f="$OUT/$1-c$3-r$r.json"
+load() {  # load NAME PORT WORKLOAD ROUND (WORKLOAD: a concurrency, or "long"): file NAME-cW.json (round 1) or NAME-cW-rR.json
+  local r=$4 f="$OUT/$1-c$3.json" words=64 tokens=64 conc=$3 prompts seed; [ "$r" = 1 ] || f="$OUT/$1-c$3-r$r.json"
+  if [ "$3" = long ]; then words=1000; tokens=16; conc=4; prompts=${PROMPTS_LONG:-16}; seed=$(( 7 + 1000 * (r - 1) ))
+  else prompts=${PROMPTS[$3]}; seed=$(( $3 + 1000 * (r - 1) )); fi
   "$PY" "$PEERS/load.py" --base-url "http://127.0.0.1:$2" --model auto --label "$1" --quiet \
-    --num-prompts "${PROMPTS[$3]}" --max-concurrency "$3" --input-words 64 --max-tokens 64 \
-    --seed "$(( $3 + 1000 * (r - 1) ))" --json-out "$f" >/dev/null
-  echo "  $1 c$3 round $r: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms\")" "$f")"
+    --num-prompts "$prompts" --max-concurrency "$conc" --input-words "$words" --max-tokens "$tokens" \
+    --seed "$seed" --json-out "$f" >/dev/null
+  echo "  $1 c$3 round $r: $("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(f\"{d['output_tok_s']:.1f} tok/s, TPOT {d['tpot_ms_mean']:.1f} ms, TTFT {d['ttft_ms_mean']:.0f} ms (p99 {d['ttft_ms_p99']:.0f})\")" "$f")"
 }
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 # The start scripts' lines, shown on stderr, and the pid they name (`tee /dev/stderr` would reopen a
@@ -64,12 +69,13 @@ for r in $(seq 1 "$ROUNDS"); do
   echo "== round $r"
   for dtype in float32 bfloat16; do
     skip "vllm-$dtype" && continue
-    for c in 1 16 64; do load "vllm-$dtype" "${VLLM_PORT[$dtype]}" "$c" "$r"; done
+    for c in $WORKLOADS; do load "vllm-$dtype" "${VLLM_PORT[$dtype]}" "$c" "$r"; done
   done
 
   if ! skip llamacpp; then
-    for c in 1 16 64; do
+    for c in $WORKLOADS; do
       np=16; ctx=4096; if [ "$c" = 64 ]; then np=64; ctx=16384; fi  # -c is split over the -np slots
+      if [ "$c" = long ]; then np=4; ctx=8192; fi  # 2048 tokens a slot: the long prompts are ~1,050
       pid=$(NP=$np CTX=$ctx "$PEERS/start-llamacpp.sh" | pid_of)
       load llamacpp 8200 "$c" "$r"
       "$PEERS/stop.sh" "$pid" >/dev/null
@@ -88,7 +94,7 @@ for r in $(seq 1 "$ROUNDS"); do
     (cd "$ROOT" && setsid "$PY" -m asyncpp.launch --config "$config" --http-port 8300 >"$log" 2>&1 &)
     for _ in $(seq 1 300); do curl -sf http://127.0.0.1:8300/health >/dev/null 2>&1 && break; sleep 1; done
     grep -m1 "asyncpp ready" "$log" || true
-    for c in 1 16 64; do load "asyncpp-$variant" 8300 "$c" "$r"; done
+    for c in $WORKLOADS; do load "asyncpp-$variant" 8300 "$c" "$r"; done
     pkill -INT -f "asyncpp.launch --config $config" || true
     for _ in $(seq 1 30); do pgrep -f "asyncpp.launch --config $config" >/dev/null || break; sleep 1; done
   done
@@ -139,5 +145,25 @@ rows.append("| asyncpp-auto / faster peer, per round (c1: TPOT / llama.cpp's) | 
 print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos; median [range] of the rounds:")
 print("| server | c1 | c16 | c64 |\n| --- | ---: | ---: | ---: |")
 print("\n".join(rows))
-(out / "table.md").write_text("\n".join(rows) + "\n")
+long_rows = []
+for name in servers:
+    got = list(runs(name, "long").values())
+    if got:
+        ttft = statistics.median(d["ttft_ms_mean"] for d in got)
+        p99 = statistics.median(d["ttft_ms_p99"] for d in got)
+        total = statistics.median(d.get("total_tok_s", 0.0) for d in got)
+        long_rows.append(f"| {name} | {ttft:.0f} | {p99:.0f} | {total:.0f} |")
+ratios = []
+for r, d in sorted(runs("asyncpp-auto", "long").items()):
+    ref = [runs(p, "long").get(r) for p in peers]
+    best = min((x["ttft_ms_mean"] for x in ref if x), default=None)
+    if best:
+        ratios.append(d["ttft_ms_mean"] / best)
+if long_rows:
+    print("\nlong prompts (1000 words in, 16 out, concurrency 4): TTFT mean, p99 (ms), total tok/s; median of the rounds:")
+    print("| server | TTFT mean | TTFT p99 | total tok/s |\n| --- | ---: | ---: | ---: |")
+    print("\n".join(long_rows))
+    if ratios:
+        print(f"asyncpp-auto mean TTFT / the faster peer's, per round: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
+(out / "table.md").write_text("\n".join(rows + [""] + long_rows) + "\n")
 PYEOF

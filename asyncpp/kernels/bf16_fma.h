@@ -28,6 +28,9 @@
 #define ASYNCPP_BF16_FMA_H
 
 #define FE_TILE_ROWS 6
+/* Rows that share one expansion of a BLOCK: their float32 inputs (96 x 1536 x 4 B = 576 KB) and the
+ * expanded BLOCK (4 x 1536 x 64 B = 384 KB) stay in L2 together. */
+#define FE_MCHUNK 96
 #define MXCSR_DAZ_FTZ 0x8040u
 
 /* Rows from which each weight kind takes the FMA path (INT64_MAX: never): [float weights, GGUF blocks]. */
@@ -130,26 +133,37 @@ static void fe_widen_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
         }                                                                                             \
     }
 
-/* Rows [0, mt) of xf times the expanded BLOCK e. kind 0: float weights, one sum over all of k_pad;
- * 1, 2: GGUF blocks, per 32 inputs `part`, then acc += d * part (2: + m * sx), acc in an L1 array. */
+/* Bring `bytes` at `p` into L2 (a hint: p may pass the end of the weights). */
+static inline void fe_prefetch(const char *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+/* Rows [0, mt) of xf times the expanded BLOCK e, 32 inputs at a time. kind 0: float weights, one sum
+ * over all of k_pad; 1, 2: GGUF blocks, per 32 inputs `part`, then acc += d * part (2: + m * sx), acc in
+ * an L1 array. `next` (NULL: none): the packed weights of the thread's next BLOCK, `ahead` bytes of them
+ * per 32 inputs requested into L2 meanwhile, so that its expansion does not wait on memory. */
 static inline __attribute__((always_inline)) void fe_tile(const int kind, const int mt, const float *xf,
                                                           int64_t k_pad, const float *sx,
-                                                          const struct fe_expanded *e, out_rows y, int64_t n0,
-                                                          int64_t n) {
+                                                          const struct fe_expanded *e, const char *next,
+                                                          int64_t ahead, out_rows y, int64_t n0, int64_t n) {
     __m512 part[FE_TILE_ROWS][NB];
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
+    const int64_t groups = (k_pad + QK - 1) / QK;
     if (kind == 0) {
-        FE_STEPS(0, k_pad)
+        for (int64_t g = 0; g < groups; g++) {
+            if (next != NULL) fe_prefetch(next + g * ahead, ahead);
+            FE_STEPS(g * QK, g * QK + QK < k_pad ? g * QK + QK : k_pad)
+        }
         for (int i = 0; i < mt; i++)
             for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel(out_at(y, i), n0 + j * PANEL, n, part[i][j]);
         return;
     }
-    const int64_t nb = k_pad / QK;
     float acc[FE_TILE_ROWS][NB][PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < NB; j++) _mm512_store_ps(acc[i][j], _mm512_setzero_ps());
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < groups; b++) {
+        if (next != NULL) fe_prefetch(next + b * ahead, ahead);
         if (b > 0)
             for (int i = 0; i < mt; i++)
                 for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
@@ -159,7 +173,7 @@ static inline __attribute__((always_inline)) void fe_tile(const int kind, const 
             const __m512 m = kind == 2 ? _mm512_load_ps(e->m + (b * NB + j) * PANEL) : _mm512_setzero_ps();
             for (int i = 0; i < mt; i++)
                 _mm512_store_ps(acc[i][j], qb_block_step(kind == 2, _mm512_load_ps(acc[i][j]), part[i][j], d, m,
-                                                         kind == 2 ? sx[i * nb + b] : 0.0f));
+                                                         kind == 2 ? sx[i * groups + b] : 0.0f));
         }
     }
     for (int i = 0; i < mt; i++)
@@ -167,13 +181,13 @@ static inline __attribute__((always_inline)) void fe_tile(const int kind, const 
             store_panel(out_at(y, i), n0 + j * PANEL, n, _mm512_load_ps(acc[i][j]));
 }
 
-typedef void (*fe_tile_fn)(const float *, int64_t, const float *, const struct fe_expanded *, out_rows, int64_t,
-                           int64_t);
-#define FE_TILE_DEF(KIND, R)                                                                                 \
-    static __attribute__((noinline, aligned(64))) void fe_tile_##KIND##_##R(                                  \
-        const float *xf, int64_t k_pad, const float *sx, const struct fe_expanded *e, out_rows y, int64_t n0, \
-        int64_t n) {                                                                                         \
-        fe_tile(KIND, R, xf, k_pad, sx, e, y, n0, n);                                                        \
+typedef void (*fe_tile_fn)(const float *, int64_t, const float *, const struct fe_expanded *, const char *, int64_t,
+                           out_rows, int64_t, int64_t);
+#define FE_TILE_DEF(KIND, R)                                                                                   \
+    static __attribute__((noinline, aligned(64))) void fe_tile_##KIND##_##R(                                    \
+        const float *xf, int64_t k_pad, const float *sx, const struct fe_expanded *e, const char *next,         \
+        int64_t ahead, out_rows y, int64_t n0, int64_t n) {                                                    \
+        fe_tile(KIND, R, xf, k_pad, sx, e, next, ahead, y, n0, n);                                             \
     }
 #define FE_SHAPES(KIND) \
     FE_TILE_DEF(KIND, 1) FE_TILE_DEF(KIND, 2) FE_TILE_DEF(KIND, 3) FE_TILE_DEF(KIND, 4) FE_TILE_DEF(KIND, 5) FE_TILE_DEF(KIND, 6)
@@ -193,7 +207,8 @@ static int fe_linear(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const v
     const int blocks = fmt >= 0, kind = !blocks ? 0 : fmt == QB_Q4_1 ? 2 : 1;
     const int64_t kpairs = (k + 1) / 2, k_pad = 2 * kpairs, num_blocks = (n + BLOCK - 1) / BLOCK;
     const int64_t block_bytes = blocks ? NB * (k / QK) * qb_panel_block_bytes(fmt) : (int64_t)BLOCK * k_pad * 2;
-    const int64_t num_tiles = (m + FE_TILE_ROWS - 1) / FE_TILE_ROWS, nb = k_pad / QK;
+    const int64_t nb = k_pad / QK;
+    const int64_t ahead = (block_bytes / ((k_pad + QK - 1) / QK) + 63) / 64 * 64; /* bytes per 32 inputs */
     float *xf = malloc(sizeof(float) * (size_t)(m * k_pad));
     if (xf == NULL) return -2;
     fe_widen_rows(x, ldx, m, k, xf);
@@ -207,16 +222,20 @@ static int fe_linear(int fmt, const uint16_t *x, int64_t ldx, int64_t m, const v
 #pragma omp atomic write
             status = -2;
         }
+        for (int64_t m0 = 0; m0 < m; m0 += FE_MCHUNK) {
+            const int64_t rows = m - m0 < FE_MCHUNK ? m - m0 : FE_MCHUNK, num_tiles = (rows + FE_TILE_ROWS - 1) / FE_TILE_ROWS;
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < num_blocks; b++) {
-            if (e.w == NULL) continue;
-            const char *wb = (const char *)packed + b * block_bytes;
-            if (blocks) fe_expand_blocks(fmt, (const uint8_t *)wb, k, table, &e);
-            else fe_expand_float((const uint16_t *)wb, kpairs, &e);
-            for (int64_t t = 0; t < num_tiles; t++) { /* near-equal tiles: 20 rows = 5 + 5 + 5 + 5 */
-                const int64_t i0 = t * m / num_tiles, i1 = (t + 1) * m / num_tiles;
-                fe_tiles[kind][i1 - i0 - 1](xf + i0 * k_pad, k_pad, sx == NULL ? NULL : sx + i0 * nb, &e,
-                                            out_at(y, i0), b * BLOCK, n);
+            for (int64_t b = 0; b < num_blocks; b++) {
+                if (e.w == NULL) continue;
+                const char *wb = (const char *)packed + b * block_bytes;
+                if (blocks) fe_expand_blocks(fmt, (const uint8_t *)wb, k, table, &e);
+                else fe_expand_float((const uint16_t *)wb, kpairs, &e);
+                for (int64_t t = 0; t < num_tiles; t++) { /* near-equal tiles: 20 rows = 5 + 5 + 5 + 5 */
+                    const int64_t i0 = m0 + t * rows / num_tiles, i1 = m0 + (t + 1) * rows / num_tiles;
+                    const char *next = t == 0 ? wb + block_bytes : NULL; /* the first tile prefetches the next BLOCK */
+                    fe_tiles[kind][i1 - i0 - 1](xf + i0 * k_pad, k_pad, sx == NULL ? NULL : sx + i0 * nb, &e, next,
+                                                ahead, out_at(y, i0), b * BLOCK, n);
+                }
             }
         }
         fe_free(e);

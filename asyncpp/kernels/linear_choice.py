@@ -104,14 +104,15 @@ def choose_fma_min_rows(
     cache = cache or kernel_cache_dir() / "linear_choice.json"
     key = _cache_key(info, kernel)
     if measure is None and (hit := _read_cache(cache, key)) is not None:
-        return LinearChoice(hit[0], hit[1], "cached", f"{_rows_text(*hit)} (measured before on this CPU)")
+        measured = f"{hit[2]}, cached" if hit[2] else "measured before on this CPU"
+        return LinearChoice(hit[0], hit[1], "cached", f"{_rows_text(hit[0], hit[1])} ({measured})")
     measure = measure or (lambda kind, rows: measure_paths(kernel, kind, rows))
     gmacs = {kind: {rows: measure(kind, rows) for rows in PROBE_ROWS} for kind in KINDS}
     block_rows, float_rows = (min_rows_from(gmacs[kind]) for kind in KINDS)
-    _write_cache(cache, key, (block_rows, float_rows))
     at = max(PROBE_ROWS)
     dp, fma = gmacs["blocks"][at]
     measured = f"measured at {at} rows: vdpbf16ps {dp:.0f}, FMA {fma:.0f} GMAC/s"
+    _write_cache(cache, key, (block_rows, float_rows), measured)
     return LinearChoice(block_rows, float_rows, "measured", f"{_rows_text(block_rows, float_rows)} ({measured})", gmacs)
 
 
@@ -225,15 +226,16 @@ def _cache_key(info: CpuInfo, kernel: Bf16Linear) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _read_cache(path: Path, key: str) -> tuple[int | None, int | None] | None:
+def _read_cache(path: Path, key: str) -> tuple[int | None, int | None, str] | None:
+    """(block rows, float rows, what was measured) of this CPU's entry, or None."""
     try:
         entry = json.loads(path.read_text()).get(key)
-        return None if entry is None else (entry["block_rows"], entry["float_rows"])
+        return None if entry is None else (entry["block_rows"], entry["float_rows"], str(entry.get("measured", "")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def _write_cache(path: Path, key: str, rows: tuple[int | None, int | None]) -> None:
+def _write_cache(path: Path, key: str, rows: tuple[int | None, int | None], measured: str) -> None:
     """Add this CPU's entry (a private temporary file renamed into place: writers race safely)."""
     try:
         entries = json.loads(path.read_text()) if path.exists() else {}
@@ -241,7 +243,7 @@ def _write_cache(path: Path, key: str, rows: tuple[int | None, int | None]) -> N
             entries = {}
     except (OSError, ValueError):
         entries = {}
-    entries[key] = {"block_rows": rows[0], "float_rows": rows[1]}
+    entries[key] = {"block_rows": rows[0], "float_rows": rows[1], "measured": measured}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
