@@ -22,6 +22,33 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+
+/* Where a stage's layer time goes, when asked (layer_stack_set_timing): nanoseconds in the linears,
+ * the attention, and everything else (norms, RoPE, cache writes, SiLU * up), summed over calls. */
+enum { T_LINEAR, T_ATTENTION, T_OTHER, T_KINDS };
+static int timing_on = 0;
+static int64_t timing_ns[T_KINDS];
+
+void layer_stack_set_timing(int on) { timing_on = on; }
+
+/* The sums so far into out[T_KINDS], then zeroed. */
+void layer_stack_times(int64_t *out) {
+    for (int i = 0; i < T_KINDS; i++) out[i] = timing_ns[i], timing_ns[i] = 0;
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Charge the time since the last mark to `kind`. */
+#define MARK(kind)                              \
+    if (timing_on) {                            \
+        const int64_t t_ = now_ns();            \
+        timing_ns[kind] += t_ - mark, mark = t_; \
+    }
 
 typedef int (*linear_fn)(int fmt, const void *x, int64_t ldx, int64_t m, const uint8_t *packed, int64_t n,
                          int64_t k, void *y, int64_t ldy, int num_threads);
@@ -97,11 +124,14 @@ int layer_stack(const stack_model *m, const stack_layer *layers, int64_t num_lay
     char *normed = scratch, *qkv = normed + t * h * e, *attn = qkv + t * qkv_size * e;
     char *gate_up = attn + t * q_size * e, *act = gate_up + t * 2 * inter * e;
     int status;
+    int64_t mark = timing_on ? now_ns() : 0;
     for (int64_t li = 0; li < num_layers; li++) {
         const stack_layer *l = layers + li;
         m->norm(hidden, has_residual || li > 0 ? residual : NULL, l->input_norm, residual, normed, t, h, m->eps,
                 num_threads);
+        MARK(T_OTHER)
         if ((status = linear(m, &l->qkv, normed, t, qkv, qkv_size, num_threads)) != 0) return 20 + status;
+        MARK(T_LINEAR)
         m->rope(qkv, qkv_size, s->positions, m->cos_table, m->sin_table, t, m->num_heads + m->num_kv_heads, hd,
                 num_threads);
         for (int64_t i = 0; i < t; i++) { /* write first, then read: a token attends to itself */
@@ -109,15 +139,22 @@ int layer_stack(const stack_model *m, const stack_layer *layers, int64_t num_lay
             memcpy(l->k_cache + s->slot_mapping[i] * kv_size * e, row + q_size * e, (size_t)(kv_size * e));
             memcpy(l->v_cache + s->slot_mapping[i] * kv_size * e, row + (q_size + kv_size) * e, (size_t)(kv_size * e));
         }
+        MARK(T_OTHER)
         status = m->attention(qkv, qkv_size, l->k_cache, l->v_cache, s->block_table, s->block_table_stride, s->rows,
                               s->context_lens, attn, q_size, t, m->num_heads, m->num_kv_heads, hd, m->block_size,
                               m->scale, s->max_context_len, (int)m->dtype, num_threads);
         if (status != 0) return 10 + status;
+        MARK(T_ATTENTION)
         if ((status = linear(m, &l->o, attn, t, hidden, h, num_threads)) != 0) return 20 + status;
+        MARK(T_LINEAR)
         m->norm(hidden, residual, l->post_norm, residual, normed, t, h, m->eps, num_threads);
+        MARK(T_OTHER)
         if ((status = linear(m, &l->gate_up, normed, t, gate_up, 2 * inter, num_threads)) != 0) return 20 + status;
+        MARK(T_LINEAR)
         m->silu(gate_up, act, t, inter, num_threads);
+        MARK(T_OTHER)
         if ((status = linear(m, &l->down, act, t, hidden, h, num_threads)) != 0) return 20 + status;
+        MARK(T_LINEAR)
     }
     return 0;
 }

@@ -130,6 +130,9 @@ class StackableLinear:
     in_features: int
 
 
+TIME_KINDS = ("linears", "attention", "other")  # layer_stack.c's T_LINEAR, T_ATTENTION, T_OTHER
+
+
 def _fn(lib: ctypes.CDLL, name: str) -> int:
     return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
@@ -168,6 +171,8 @@ class LayerStack:
         lib.stack_scratch_elems.argtypes, lib.stack_scratch_elems.restype = [_I64] * 5, _I64
         lib.layer_stack.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT, _PTR, _INT]
         lib.layer_stack.restype = _INT
+        lib.layer_stack_set_timing.argtypes, lib.layer_stack_set_timing.restype = [_INT], None
+        lib.layer_stack_times.argtypes, lib.layer_stack_times.restype = [_PTR], None
         arch = model.arch
         attn = model.layers[0].self_attn
         suffix = "f32" if fused.dtype == torch.float32 else "bf16"
@@ -191,6 +196,18 @@ class LayerStack:
             sin_table=model.rope.sin.data_ptr(),
         )
         return LayerStack(lib, model_struct, model)
+
+    def set_timing(self, on: bool) -> None:
+        """Count where this process's layer stacks spend their time (off by default: two clock reads
+        per kernel call when on)."""
+        self._lib.layer_stack_set_timing(int(on))
+
+    def take_times(self) -> dict[str, float]:
+        """Seconds in the linears, the attention and the rest (norms, RoPE, KV writes, SiLU * up) since
+        the last call, summed over this process's layer stacks; the counts start again at zero."""
+        ns = (ctypes.c_int64 * len(TIME_KINDS))()
+        self._lib.layer_stack_times(ns)
+        return {kind: n / 1e9 for kind, n in zip(TIME_KINDS, ns)}
 
     def _layer_table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], first: int) -> ctypes.Array:
         """The table of the slice's layers [first, first + len(kv_caches))."""
