@@ -42,3 +42,31 @@ def test_measure_times_full_batches_when_the_prompts_take_more_steps_than_are_ti
     assert cost.batch_size == 8 and cost.step_ms > 0
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.capacity.num_blocks  # the aborted requests' KV is freed
+
+
+def test_split_counts_the_layer_stacks_kernels_only_while_asked(tmp_path, capsys):
+    out = tmp_path / "split.json"
+    argv = ["--config", str(TINY_CONFIG), "--batch-sizes", "2", "--num-steps", "3", "--split", "--prefill-tokens", "24"]
+    assert main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for split in (result["decode_split_ms"]["2"], result["prefill_split_ms"]["24"]):
+        assert set(split) == {"linears", "attention", "other", "outside"}
+        assert all(split[k] > 0 for k in ("linears", "attention", "other")), split
+    printed = capsys.readouterr().out
+    assert "decode    2 requests: linears" in printed and "prompt   24 tokens:   linears" in printed
+
+
+def test_layer_stack_timing_is_off_unless_set():
+    config = load_config(TINY_CONFIG).replace(parallel={"pp_size": 1, "layer_split": ()})
+    engine = Engine(config)
+    stack = engine.executor.runners[0].model.stack
+    assert stack is not None
+    stack.take_times()
+    measure(engine, 2, 2)
+    assert set(stack.take_times().values()) == {0.0}  # nothing counted while off
+    stack.set_timing(True)
+    measure(engine, 2, 2)
+    counted = stack.take_times()
+    stack.set_timing(False)
+    assert all(seconds > 0 for seconds in counted.values()), counted
+    assert set(stack.take_times().values()) == {0.0}  # taking them starts the counts again
