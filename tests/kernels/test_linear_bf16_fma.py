@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncpp.kernels.isa import cpu_info
-from asyncpp.kernels.linear_bf16 import linear_bf16_kernel
 from asyncpp.kernels.linear_choice import PROBE_EXPONENTS, _wide_bf16
-from tests.kernels.test_linear_bf16 import _gguf_case
+from tests.kernels.test_linear_bf16 import _gguf_case, kernel, threads  # noqa: F401 (fixtures)
 
 BF16 = torch.bfloat16
 FORMATS = ["q8_0", "q4_0", "q4_1", "float"]
@@ -17,24 +15,11 @@ SHAPES = {"blocks": [(100, 64), (37, 96), (70, 1536)], "float": [(100, 64), (37,
 ROWS = 512
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_info().supports("avx512_bf16"):
-        pytest.skip("linear_bf16 needs AVX512-BF16")
-    k = linear_bf16_kernel("cpu", BF16, isa="avx512_bf16")
-    if k is None:
-        pytest.skip("linear_bf16 kernel unavailable (no C compiler)")
-    before = k.fma_min_rows()
-    yield k
-    k.set_fma_min_rows(*before)
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+@pytest.fixture(autouse=True)
+def restore_fma_min_rows(kernel):
+    before = kernel.fma_min_rows()
+    yield
+    kernel.set_fma_min_rows(*before)
 
 
 def _weights(kernel, fmt: str, shape: tuple[int, int], exponents: tuple[int, int] | None = None):
