@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from asyncpp.kernels.isa import CpuInfo, cpu_info
-from asyncpp.kernels.linear_choice import PROBE_ROWS, _read_cache, choose_fma_min_rows, min_rows_from
+from asyncpp.kernels.linear_choice import PROBE_ROWS, _read_cache, _wide_bf16, choose_fma_min_rows, min_rows_from
 
 XEON = CpuInfo("Xeon", frozenset({"avx512f", "avx512_bf16"}), "x86_64")
 ZEN4 = CpuInfo("Zen 4", frozenset({"avx512f", "avx512_bf16"}), "x86_64")
@@ -96,7 +96,7 @@ def test_where_fma_gives_other_bits_rows_never_take_it(tmp_path):
     assert calls == [] and not (tmp_path / "choice.json").exists()
 
 
-@pytest.mark.parametrize("forced,rows", [(0, None), (24, 24)])
+@pytest.mark.parametrize("forced,rows", [(0, None), (1, 1), (24, 24)])
 def test_model_fma_min_rows_forces_the_count_without_measuring(tmp_path, forced, rows):
     calls = []
     choice = _choose(tmp_path, calls=calls, forced=forced)
@@ -139,3 +139,138 @@ def test_two_start_ups_give_the_same_bits_whatever_they_choose(tmp_path):
     assert [o[0] for o in outs] == ["measured", "measured", "forced", "forced"]
     assert outs[3][1] == "2" and outs[2][1] == "None"
     assert len({o[2] for o in outs}) == 1, outs
+
+
+def test_fma_exactly_at_the_margin_is_chosen():
+    assert min_rows_from(_table({2: 0.5, 4: 0.7, 8: 1.0, 16: 1.0, 32: 1.04, 64: 1.05})) == 64
+
+
+
+def test_the_same_count_for_both_kinds_reads_as_one(tmp_path):
+    same = {kind: {2: 0.5, 4: 0.7, 8: 1.0, 16: 1.2, 32: 1.5, 64: 1.8} for kind in ("blocks", "float")}
+    choice = _choose(tmp_path, ratios=same)
+    assert choice.reason == "float32 FMA from 16 rows (measured at 64 rows: vdpbf16ps 40, FMA 72 GMAC/s)"
+    assert choice.gmacs["blocks"][16] == (40.0, 48.0) and set(choice.gmacs) == {"blocks", "float"}
+
+
+def test_the_hooks_get_this_kernel_and_the_default_measure_times_it(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr("asyncpp.kernels.linear_choice.measure_paths", lambda *a: seen.append(a) or (10.0, 20.0))
+    choice = choose_fma_min_rows(FAKE_KERNEL, -1, XEON, None, lambda k: seen.append(k) or True, tmp_path / "c.json")
+    assert seen[0] is FAKE_KERNEL and choice.block_rows == 2
+    assert sorted(seen[1:]) == sorted((FAKE_KERNEL, kind, rows) for kind in ("blocks", "float") for rows in PROBE_ROWS)
+
+
+def test_the_default_cache_is_in_the_kernel_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCPP_KERNEL_CACHE", str(tmp_path))
+    choose_fma_min_rows(FAKE_KERNEL, -1, XEON, lambda kind, rows: (1.0, 2.0), lambda k: True)
+    assert list(json.loads((tmp_path / "linear_choice.json").read_text()).values())[0]["block_rows"] == 2
+
+
+def test_an_entry_per_cpu_model_flags_and_kernel_build(tmp_path):
+    _choose(tmp_path)
+    other_flags = CpuInfo("Xeon", frozenset({"avx512f", "avx512_bf16", "amx_tile"}), "x86_64")
+    _choose(tmp_path, info=other_flags)
+    other_build = SimpleNamespace(library=SimpleNamespace(_name="/cache/linear_bf16-avx512_bf16-4567.so"))
+    choose_fma_min_rows(other_build, -1, XEON, lambda kind, rows: (1.0, 2.0), lambda k: True, tmp_path / "choice.json")
+    assert len(json.loads((tmp_path / "choice.json").read_text())) == 3
+
+
+def test_a_cache_that_is_not_a_table_is_replaced_and_an_unwritable_one_is_skipped(tmp_path):
+    path = tmp_path / "choice.json"
+    path.write_text("[1, 2]")
+    _choose(tmp_path)
+    assert isinstance(json.loads(path.read_text()), dict) and len(json.loads(path.read_text())) == 1
+    path.write_text('{"other": {"block_rows": 8, "float_rows": 8}}')
+    assert _read_cache(path, "missing") is None
+    _choose(tmp_path)
+    assert set(json.loads(path.read_text())) >= {"other"}  # kept beside the new entry
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    choice = choose_fma_min_rows(FAKE_KERNEL, -1, XEON, lambda k, r: (1.0, 2.0), lambda k: True, blocked / "c.json")
+    assert choice.source == "measured"  # measured all the same, nothing cached
+
+
+def test_an_entry_without_what_was_measured_still_reads(tmp_path):
+    first = _choose(tmp_path)
+    path = tmp_path / "choice.json"
+    entries = json.loads(path.read_text())
+    for entry in entries.values():
+        del entry["measured"]
+    path.write_text(json.dumps(entries))
+    again = choose_fma_min_rows(FAKE_KERNEL, -1, XEON, None, lambda kernel: True, path)
+    assert again.source == "cached" and again.reason.endswith("(measured before on this CPU)")
+    assert again.block_rows == first.block_rows
+
+
+def test_wide_values_have_denormals_zeros_of_both_signs_and_their_exponents():
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    bits = _wide_bf16(64, 64, gen, (0, 12)).view(torch.int16).to(torch.int32) & 0xFFFF
+    exponents = (bits >> 7) & 0xFF
+    assert int(exponents.max()) <= 12 and bool((exponents == 0).any())
+    zeros = bits[(bits & 0x7FFF) == 0]
+    assert {0, 0x8000} <= set(zeros.tolist())  # +0 and -0
+    assert bool(((exponents == 0) & ((bits & 0x7F) != 0)).any())  # denormals proper
+    high = _wide_bf16(64, 64, gen, (100, 150)).view(torch.int16).to(torch.int32) & 0xFFFF
+    nonzero = high[(high & 0x7FFF) != 0]
+    assert int(((nonzero >> 7) & 0xFF).min()) >= 100 and int(((nonzero >> 7) & 0xFF).max()) <= 150
+    assert bool((nonzero & 0x8000 != 0).any()) and bool((nonzero & 0x8000 == 0).any())
+
+
+@pytest.fixture
+def real_kernel():
+    if not cpu_info().supports("avx512_bf16"):
+        pytest.skip("linear_bf16 needs AVX512-BF16")
+    from asyncpp.kernels.linear_bf16 import bf16_kernel
+
+    kernel = bf16_kernel("avx512_bf16")
+    if kernel is None:
+        pytest.skip("linear_bf16 kernel unavailable (no C compiler)")
+    before = kernel.fma_min_rows()
+    yield kernel
+    kernel.set_fma_min_rows(*before)
+
+
+def test_the_probe_finds_this_cpus_fma_exact_and_a_path_with_other_bits_not(real_kernel):
+    import torch
+
+    from asyncpp.kernels.linear_choice import fma_matches_dpbf16
+
+    real_kernel.set_fma_min_rows(7, None)
+    assert fma_matches_dpbf16(real_kernel)
+    assert real_kernel.fma_min_rows() == (7, None)  # put back as found
+
+    class OneUlpOff:  # the FMA path, off by one ulp in a single output
+        def __init__(self, kernel):
+            self.kernel, self.on = kernel, False
+
+        def __getattr__(self, name):
+            return getattr(self.kernel, name)
+
+        def set_fma_min_rows(self, float_rows, block_rows):
+            self.on = float_rows is not None
+            self.kernel.set_fma_min_rows(float_rows, block_rows)
+
+        def linear(self, *args, **kwargs):
+            out = self.kernel.linear(*args, **kwargs)
+            if self.on:
+                flat = out.view(torch.int16 if out.dtype == torch.bfloat16 else torch.int32).view(-1)
+                flat[len(flat) // 2] += 1
+            return out
+
+    assert not fma_matches_dpbf16(OneUlpOff(real_kernel))
+
+
+def test_measuring_times_both_paths_on_one_core_and_puts_everything_back(real_kernel):
+    import torch
+
+    from asyncpp.kernels.linear_choice import measure_paths
+
+    real_kernel.set_fma_min_rows(None, 5)
+    threads = torch.get_num_threads()
+    for kind in ("blocks", "float"):
+        dp, fma = measure_paths(real_kernel, kind, 8, repeats=2)
+        assert 0.1 < dp < 1000 and 0.1 < fma < 1000, (kind, dp, fma)
+    assert real_kernel.fma_min_rows() == (None, 5) and torch.get_num_threads() == threads
