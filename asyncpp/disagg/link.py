@@ -59,9 +59,14 @@ class EngineLink:
 
     async def monitor(self) -> None:
         """Health checks until cancelled."""
+        task = asyncio.current_task()
         while True:
             t0 = time.monotonic()
             reason = await self.check()
+            if task is not None and task.cancelling():
+                # Cancelled as the check timed out: Python 3.11's wait_for then raises TimeoutError and
+                # the cancellation is lost; the router's close waited for this task forever.
+                raise asyncio.CancelledError
             if reason is not None:
                 self.mark_dead(reason)
             elif not self.is_alive and not self.is_gone and self.on_answer is not None:
