@@ -238,9 +238,9 @@ def test_the_probe_finds_this_cpus_fma_exact_and_a_path_with_other_bits_not(real
 
     from asyncpp.kernels.linear_choice import fma_matches_dpbf16
 
-    real_kernel.set_fma_min_rows(7, None)
+    real_kernel.set_fma_min_rows(7, 9)
     assert fma_matches_dpbf16(real_kernel)
-    assert real_kernel.fma_min_rows() == (7, None)  # put back as found
+    assert real_kernel.fma_min_rows() == (7, 9)  # put back as found
 
     class OneUlpOff:  # the FMA path, off by one ulp in a single output
         def __init__(self, kernel):
