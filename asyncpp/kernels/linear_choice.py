@@ -16,7 +16,7 @@ some row count on, the FMA path may win. `choose_fma_min_rows` finds that count:
    FMA path is at least `MARGIN` faster at every larger probe;
 3. the result is cached per CPU (model name, flags) and kernel build in
    `$ASYNCPP_KERNEL_CACHE/linear_choice.json`, so every later start-up on the
-   CPU takes the same paths without measuring.
+   CPU takes the same paths without probing or measuring again.
 
 `model.fma_min_rows` forces a count (0: never FMA). The choice is made once per
 deployment (the launcher's compute plan) and handed to every stage, so it never
@@ -96,16 +96,17 @@ def choose_fma_min_rows(
         return LinearChoice(None, None, "forced", "vdpbf16ps at every row count (model.fma_min_rows = 0)")
     if forced > 0:
         return LinearChoice(forced, forced, "forced", f"float32 FMA from {forced} rows (model.fma_min_rows)")
-    if not (exact or fma_matches_dpbf16)(kernel):
-        return LinearChoice(None, None, "inexact", "vdpbf16ps at every row count: float32 FMA gives other bits here")
     from asyncpp.kernels.build import kernel_cache_dir
 
     info = info or cpu_info()
     cache = cache or kernel_cache_dir() / "linear_choice.json"
     key = _cache_key(info, kernel)
     if measure is None and (hit := _read_cache(cache, key)) is not None:
+        # Written only after the probe passed for this CPU model, flags and build: it would pass again.
         measured = f"{hit[2]}, cached" if hit[2] else "measured before on this CPU"
         return LinearChoice(hit[0], hit[1], "cached", f"{_rows_text(hit[0], hit[1])} ({measured})")
+    if not (exact or fma_matches_dpbf16)(kernel):
+        return LinearChoice(None, None, "inexact", "vdpbf16ps at every row count: float32 FMA gives other bits here")
     measure = measure or (lambda kind, rows: measure_paths(kernel, kind, rows))
     gmacs = {kind: {rows: measure(kind, rows) for rows in PROBE_ROWS} for kind in KINDS}
     block_rows, float_rows = (min_rows_from(gmacs[kind]) for kind in KINDS)

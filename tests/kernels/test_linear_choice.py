@@ -72,7 +72,8 @@ def test_a_measured_choice_per_weight_kind_is_cached_for_this_cpu(tmp_path):
 def test_a_cached_choice_is_read_back_without_measuring(tmp_path, monkeypatch):
     first = _choose(tmp_path)
     monkeypatch.setattr("asyncpp.kernels.linear_choice.measure_paths", lambda *a: pytest.fail("measured again"))
-    again = choose_fma_min_rows(FAKE_KERNEL, -1, XEON, None, lambda kernel: True, tmp_path / "choice.json")
+    probed_again = lambda kernel: pytest.fail("probed again")  # noqa: E731
+    again = choose_fma_min_rows(FAKE_KERNEL, -1, XEON, None, probed_again, tmp_path / "choice.json")
     assert (again.block_rows, again.float_rows, again.source) == (first.block_rows, first.float_rows, "cached")
     assert again.reason == (
         "GGUF blocks float32 FMA from 16 rows, float weights float32 FMA from 32 rows"
