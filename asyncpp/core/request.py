@@ -3,11 +3,12 @@
 Invariant: `num_computed_tokens <= num_tokens + num_placeholders + num_draft_tokens`;
 the KV cache holds (or an in-flight plan is writing) the first
 `num_computed_tokens` tokens of `all_token_ids` followed by the placeholders or
-the drafts being verified. A request is in at most two
+the drafts being verified. A decoding request is in at most two
 dispatched plans (`num_in_flight`): the one it was last scheduled in
 (`last_step_id`) and, with async scheduling, the one after it, whose input is
 the token that plan samples (a placeholder until its output is back). The
-pipeline runtime builds disjoint cohorts from this.
+pipeline runtime builds disjoint cohorts from this. A prompt's chunks, which
+need no token, may be in more (async scheduling: any plan takes the next one).
 """
 
 from __future__ import annotations

@@ -15,9 +15,12 @@ Contract
 * Async scheduling: `schedule(max_num_reqs, after_step_id=S)` may also
   continue the requests of in-flight plan S (and no other in-flight ones):
   a token S samples appears as `PLACEHOLDER_TOKEN_ID`, for the first stage
-  to fill in, and the plan names S in `after_step_id`. A request is in at
-  most two in-flight plans, and a plan must come back after the one it
-  follows. A request finished by the token S samples computes one wasted
+  to fill in, and the plan names S in `after_step_id`. A decoding request
+  is in at most two in-flight plans, and a plan must come back after the
+  one it follows. A prompt's chunks need no token: any plan may take the
+  next one, however many plans hold the earlier ones, and such a floating
+  chunk does not count against `max_num_reqs` (so a cohort of decoding
+  requests still takes its share of a long prompt: cohorts stay even). A request finished by the token S samples computes one wasted
   token in the next plan (never for `max_tokens`, known in advance).
 * Scheduling advances `num_computed_tokens` at once (the stages are writing
   that KV); `update_from_output` only appends sampled tokens and runs the
@@ -257,9 +260,12 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
         running = self._queues.running
         num_step_reqs = len(running) if max_num_reqs is None else min(len(running), max_num_reqs)
         i = 0
-        while i < len(running) and step.has_room:
+        while i < len(running) and step.num_budget_tokens > 0:
             request = running[i]
-            if request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id):
+            is_floating = request.is_in_flight and request.num_computed_tokens < request.num_tokens
+            if (request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id)) or (
+                not is_floating and not step.has_room
+            ):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
@@ -404,11 +410,12 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
 
     def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
         """May an in-flight request be scheduled in the plan after `after_step_id`?"""
-        if request.num_in_flight != 1 or request.void_step_id is not None:
+        if request.void_step_id is not None:
             return False
         if request.num_computed_tokens < request.num_tokens:  # the next prompt chunk: its tokens are known
-            return self.async_scheduling or request.last_step_id == after_step_id
-        if after_step_id is None or request.last_step_id != after_step_id:
+            # Async: in any plan, however many hold its earlier chunks (stages run plans in order).
+            return self.async_scheduling or (request.num_in_flight == 1 and request.last_step_id == after_step_id)
+        if request.num_in_flight != 1 or after_step_id is None or request.last_step_id != after_step_id:
             return False
         # The tokens its plan samples (its drafts, if all accepted, then one more) are its last unless
         # stop checks finish it; do not compute a token after ones that finish it by length for sure.

@@ -24,10 +24,16 @@ class StepBuilder:
     cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
     new_requests: list[NewRequestData] = field(default_factory=list)
     has_placeholders: bool = False
+    # Prompt chunks of requests already in flight: they float between cohorts (async scheduling),
+    # so they do not count against this plan's `max_num_reqs`.
+    num_floating: int = 0
 
     @property
     def has_room(self) -> bool:
-        return self.num_budget_tokens > 0 and (self.max_num_reqs is None or len(self.scheduled) < self.max_num_reqs)
+        """Room for one more request of this plan's own (not a floating chunk)."""
+        return self.num_budget_tokens > 0 and (
+            self.max_num_reqs is None or len(self.scheduled) - self.num_floating < self.max_num_reqs
+        )
 
     def add(
         self,
@@ -45,6 +51,8 @@ class StepBuilder:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         num_drafts = len(draft_token_ids) if draft_token_ids else num_draft_placeholders
+        if request.is_in_flight and not num_placeholders and not num_drafts:
+            self.num_floating += 1
         if num_placeholders:
             token_ids = [PLACEHOLDER_TOKEN_ID] * (num_placeholders + num_draft_placeholders)
             self.has_placeholders = True
