@@ -9,15 +9,17 @@ step seed of output length len(output) + j.
 - greedy (temperature 0): t_j = argmax of row j (`argmax_rows`, as `Sampler`);
   d_{j+1} is accepted while t_j == d_{j+1}. The output t_0..t_m equals
   one-token-at-a-time greedy decoding exactly.
-- random: p_j = row j's distribution exactly as `Sampler` builds it
-  (`Sampler.filtered_probs`, renormalised). d_{j+1} is accepted with
-  probability p_j(d_{j+1}) (the draft is a one-hot proposal); on the first
-  rejection the output ends with a token drawn from p_j without d_{j+1},
-  renormalised; if all are accepted, a bonus token is drawn from p_d. Each
-  output token then follows the target distribution. A seeded request draws
-  row j's acceptance uniform and then its sample (exponential race) from its
-  generator re-seeded with row j's step seed, so its tokens depend only on
-  the seed, the positions and the logits, never on the batch.
+- random: t_j = the token `Sampler` draws from row j (p_j, built exactly as
+  `Sampler.filtered_probs` does; the exponential race, a seeded request's
+  from its generator re-seeded with row j's step seed); d_{j+1} is accepted
+  while t_j == d_{j+1}, and the output is t_0..t_m. A one-hot draft is thus
+  accepted with probability p_j(d_{j+1}), as rejection sampling accepts it,
+  and a rejection's token follows p_j without the draft, renormalised: the
+  same distribution. But each output token is exactly the one plain sampling
+  draws at that position, so a seeded request's tokens depend only on the
+  seed, the positions and the logits: never on the batch, nor on which drafts
+  were verified where (drafts differ with timing under async scheduling, and
+  after a preemption or a stage restart).
 
 A batch without any drafts is handed to `Sampler` itself, so speculation
 changes nothing for it. Output token i's logprobs come from row i: the raw
@@ -140,69 +142,24 @@ class RejectionSampler:
     ) -> None:
         rows = [r for i in reqs for r in range(starts[i], starts[i + 1])]  # of all random requests, in order
         random_logits = penalized if len(rows) == penalized.shape[0] else penalized[self._index(rows)]
-        probs = self.sampler.filtered_probs(random_logits, [row_states[r] for r in rows])  # [len(rows), vocab]
-        local_starts, k = [], 0  # each request's first row in `probs`
-        for i in reqs:
-            local_starts.append(k)
-            k += 1 + len(draft_token_ids[i])
-
-        # 1. Accept or reject every draft at once (those after a rejection are discarded).
-        draft_rows = [k + j for i, k in zip(reqs, local_starts) for j in range(len(draft_token_ids[i]))]
-        is_accepted: list[bool] = []
-        if draft_rows:
-            draft_tokens = self._index([t for i in reqs for t in draft_token_ids[i]])
-            draft_row_ids = self._index(draft_rows)
-            total_mass = probs.sum(dim=-1)[draft_row_ids]  # [num_drafts]
-            draft_mass = probs[draft_row_ids, draft_tokens]
-            uniforms = self._uniforms([row_states[rows[k]] for k in draft_rows])
-            # u < 1, and a draft holding all the mass has draft_mass == total_mass exactly (the rest
-            # are zeros), so it is always accepted: a rejection always leaves mass to resample from.
-            is_accepted = (uniforms < draft_mass / total_mass).tolist()
-
-        # 2. One more token per request, from the row of the first rejection (draft removed) or the bonus row.
-        stop_rows, rejected_tokens = [], []  # rejected_tokens[k]: the draft to remove, or -1 for a bonus row
+        states = [row_states[r] for r in rows]
+        probs = self.sampler.filtered_probs(random_logits, states)  # [len(rows), vocab]
+        # Every row's token as `Sampler` draws it at that position (exponential race, a seeded row
+        # from its generator re-seeded with the row's step seed); a draft stands while it equals
+        # the token drawn before it.
+        targets = argmax_rows(probs.div_(self._exponentials(states, probs.shape)), self.sampler.isa).tolist()
         offset = 0
-        for i, k in zip(reqs, local_starts):
+        for i in reqs:
             drafts = draft_token_ids[i]
-            accepted = is_accepted[offset : offset + len(drafts)]
-            offset += len(drafts)
-            num_accepted = accepted.index(False) if False in accepted else len(drafts)
-            token_ids[i] = list(drafts[:num_accepted])
-            stop_rows.append(k + num_accepted)
-            rejected_tokens.append(drafts[num_accepted] if num_accepted < len(drafts) else -1)
-        weights = probs[self._index(stop_rows)]  # [num_reqs, vocab], a copy
-        rejected = [k for k, t in enumerate(rejected_tokens) if t >= 0]
-        if rejected:
-            weights[self._index(rejected), self._index([rejected_tokens[k] for k in rejected])] = 0.0
-        exponentials = self._exponentials(
-            [row_states[rows[k]] for k in stop_rows], [t >= 0 for t in rejected_tokens], weights.shape
-        )
-        sampled = argmax_rows(weights.div_(exponentials), self.sampler.isa).tolist()
-        for i, token in zip(reqs, sampled):
-            token_ids[i].append(token)
+            drawn = targets[offset : offset + 1 + len(drafts)]
+            offset += len(drawn)
+            num_accepted = 0
+            while num_accepted < len(drafts) and drawn[num_accepted] == drafts[num_accepted]:
+                num_accepted += 1
+            token_ids[i] = drawn[: num_accepted + 1]
 
-    def _uniforms(self, states: list[RequestSamplingState]) -> torch.Tensor:
-        """One U[0, 1) per state: a seeded state's is the first draw after re-seeding with its step seed."""
-        device = self.sampler.device
-        uniforms = torch.empty(len(states), dtype=torch.float32, device=device)
-        unseeded = [k for k, s in enumerate(states) if s.generator is None]
-        if unseeded:
-            uniforms[self._index(unseeded)] = torch.rand(len(unseeded), dtype=torch.float32, device=device)
-        for k, state in enumerate(states):
-            if state.generator is not None:
-                state.generator.manual_seed(state.step_seed())
-                uniforms[k : k + 1].uniform_(generator=state.generator)
-        return uniforms
-
-    def _exponentials(
-        self, states: list[RequestSamplingState], skip_uniform: list[bool], shape: torch.Size
-    ) -> torch.Tensor:
-        """Exponential(1) draws as -log(u), as `Sampler` draws them: [n, vocab_size].
-
-        A seeded state whose row also drew an acceptance uniform skips it, so
-        the two draws of one row are distinct; a bonus row draws exactly what
-        `Sampler` would at that step.
-        """
+    def _exponentials(self, states: list[RequestSamplingState], shape: torch.Size) -> torch.Tensor:
+        """Exponential(1) draws as -log(u), exactly as `Sampler` draws them: [n, vocab_size]."""
         device = self.sampler.device
         uniforms = torch.empty(shape, dtype=torch.float32, device=device)
         unseeded = [k for k, s in enumerate(states) if s.generator is None]
@@ -211,8 +168,6 @@ class RejectionSampler:
         for k, state in enumerate(states):
             if state.generator is not None:
                 state.generator.manual_seed(state.step_seed())
-                if skip_uniform[k]:
-                    uniforms[k, :1].uniform_(generator=state.generator)  # overwritten below
                 uniforms[k].uniform_(generator=state.generator)
         return uniforms.log_().neg_()
 

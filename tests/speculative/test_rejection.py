@@ -1,4 +1,5 @@
-"""`RejectionSampler`: greedy equals token-by-token greedy, random keeps the target distribution.
+"""`RejectionSampler`: greedy equals token-by-token greedy, seeded equals token-by-token sampling, random
+keeps the target distribution.
 
 The distribution tests are seeded, so each is deterministic: a correct sampler
 fails the p = 0.001 threshold only for an unlucky fixed seed, a wrong one by miles.
@@ -170,6 +171,43 @@ def test_greedy_equals_token_by_token_greedy_with_penalties() -> None:
         total_accepted += out.num_accepted[0]
         total_rejected += int(out.num_accepted[0] < len(drafts))
         output += out.token_ids[0]
+    assert output[:num_tokens] == reference
+    assert total_accepted > 5 and total_rejected > 5  # both paths exercised
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_seeded_tokens_are_token_by_token_sampling_whatever_the_drafts(seed: int) -> None:
+    # Where drafts are verified changes with timing (async scheduling, a restart): a seeded
+    # request's tokens must not. Drafts: the right continuation, corrupted, or junk (token 0).
+    vocab_size, num_tokens = 16, 40
+    model = TinyModel(vocab_size, seed=4)
+    params = SamplingParams(temperature=1.2, top_p=0.95, frequency_penalty=0.5, seed=seed)
+    prompt = [1, 2]
+    reference: list[int] = []
+    sampler = Sampler(vocab_size)
+    while len(reference) < num_tokens:
+        state = RequestSamplingState.create(params, prompt, reference)
+        reference.append(sampler(model.logits(prompt + reference).unsqueeze(0), [state]).token_id(0))
+    assert len(set(reference)) > 4  # random enough that a drawn token could differ
+
+    rejection = RejectionSampler(sampler)
+    draft_rng = torch.Generator().manual_seed(seed)
+    output: list[int] = []
+    total_accepted = total_rejected = 0
+    while len(output) < num_tokens:
+        num_drafts = int(torch.randint(0, 5, (1,), generator=draft_rng))
+        drafts = reference[len(output) : len(output) + num_drafts]
+        drafts = [t if torch.rand(1, generator=draft_rng) < 0.6 else int(torch.randint(0, 2, (1,), generator=draft_rng)) for t in drafts]
+        context = prompt + output
+        logits = torch.stack([model.logits(context + drafts[:j]) for j in range(len(drafts) + 1)])
+        neighbour = RequestSamplingState.create(SamplingParams(temperature=1.0), [3], [])  # unseeded, same batch
+        out = rejection(
+            torch.cat([torch.randn(2, vocab_size), logits]), [neighbour, RequestSamplingState.create(params, prompt, output)],
+            [[5], drafts],
+        )  # fmt: skip
+        total_accepted += out.num_accepted[1]
+        total_rejected += int(out.num_accepted[1] < len(drafts))
+        output += out.token_ids[1]
     assert output[:num_tokens] == reference
     assert total_accepted > 5 and total_rejected > 5  # both paths exercised
 
