@@ -93,23 +93,18 @@ class ParallelConfig:
     pp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
-    # CPU: while a single cohort is in flight the stages run one after the other, so each of
-    # its steps runs with every stage's threads (pp_size * num_threads) instead of its own,
-    # as far as other processes leave those cores idle.
+    # CPU: a lone cohort's steps run with every stage's threads (pp_size * num_threads) where
+    # other processes leave those cores idle (the stages run one after the other).
     lend_idle_threads: bool = True
-    # CPU: bind each stage's threads to CPUs (its own cores first, then the cores its lent
-    # threads borrow: `asyncpp/runtime/cpu_affinity.py`) when the machine has a core per
-    # stage thread; an OpenMP binding the user set (GOMP_CPU_AFFINITY, OMP_PLACES,
-    # OMP_PROC_BIND) wins.
+    # CPU: bind each stage's threads to CPUs (its own cores, then those its lent threads borrow:
+    # `asyncpp/runtime/cpu_affinity.py`); an OpenMP binding the user set wins.
     pin_threads: bool = True
-    # Cohorts in flight, disjoint sets of the live requests, each with one step in flight (two
-    # with scheduler.async_scheduling); 0 = pp_size (one cohort per stage, as large as
-    # possible). pp_size + 1 hides the engine's turnaround without async scheduling, at the
-    # price of splitting the requests into more, smaller cohorts.
+    # Cohorts in flight, disjoint sets of the live requests, each with one step in flight (two with
+    # scheduler.async_scheduling); 0 = pp_size. pp_size + 1 hides the engine's turnaround without
+    # async scheduling, at the price of smaller cohorts.
     max_steps_in_flight: int = 0
-    # Niceness the stage processes add to their own: the engine's short per-step bursts
-    # (outputs in, next plans out) then take a core from a stage at once instead of waiting
-    # for its time slice. 0 = run at the launcher's priority.
+    # Niceness the stages add to their own: the engine's short per-step bursts then take a core
+    # from a stage at once instead of waiting for its time slice. 0 = the launcher's priority.
     stage_nice: int = 5
     # One device per stage ("cuda:0", "cuda:1", ...); () = every stage on model.device.
     devices: tuple[str, ...] = ()
@@ -125,12 +120,14 @@ class ParallelConfig:
     ray_address: str = "auto"  # ray.init(address=...): "auto", "ray://host:10001", "host:6379"
     placement: str = "spread"  # "spread": stages on different nodes where possible; "pack": few nodes
     # The step deadline: a stage that has had a step it could run (its input there, room for its
-    # output) for this long and reported nothing is hung (a stopped process, a partitioned node,
-    # a stuck ring): the engine fails every request as when a stage dies, and exits with code 1
-    # (`asyncpp/runtime/step_deadline.py`). One stage's share of a step must stay well under it:
-    # a full prompt chunk (scheduler.max_num_batched_tokens) of a big model on a slow CPU is the
-    # longest, hence the generous default.
+    # output) for this long and reported nothing is hung (a stopped process, a partitioned node, a
+    # stuck ring), as if it died (`asyncpp/runtime/step_deadline.py`). A full prompt chunk of a big
+    # model on a slow CPU must stay well under it, hence the generous default.
     step_timeout_s: float = 60.0
+    # A stage that dies or hangs is restarted in place and its requests finish (`asyncpp.recovery`),
+    # up to this many times within restart_window_s; past that (or 0) every request fails, exit 1.
+    max_stage_restarts: int = 3
+    restart_window_s: float = 60.0
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
@@ -148,9 +145,12 @@ class ParallelConfig:
             if not _is_device_name(d):
                 raise ConfigError(f"parallel.devices entries must be 'cpu' or 'cuda[:N]', got {d!r}")
         _positive("parallel.num_threads", self.num_threads)
-        timeout = self.step_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-            raise ConfigError(f"parallel.step_timeout_s must be a positive number of seconds, got {timeout!r}")
+        for key in ("step_timeout_s", "restart_window_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(f"parallel.{key} must be a positive number of seconds, got {value!r}")
+        if self.max_stage_restarts < 0:
+            raise ConfigError(f"parallel.max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if not 0 <= self.max_steps_in_flight <= self.pp_size + 1:
             raise ConfigError(
                 f"parallel.max_steps_in_flight must be 0 (= pp_size) or 1..pp_size + 1 = {self.pp_size + 1}, "

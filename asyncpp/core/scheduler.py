@@ -93,6 +93,7 @@ from asyncpp.core.plan import NewRequestData, StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
 from asyncpp.core.scheduler_kv import KVTransferScheduling
+from asyncpp.core.scheduler_recovery import RecoveryScheduling
 from asyncpp.core.scheduler_spec import SpecDecodeScheduling
 from asyncpp.core.step_builder import StepBuilder
 from asyncpp.core.stop import check_stop
@@ -102,7 +103,7 @@ from asyncpp.kv_transfer.metadata import KVConnectorOutput
 from asyncpp.speculative.policy import DraftPolicy
 
 
-class Scheduler(KVTransferScheduling, SpecDecodeScheduling):
+class Scheduler(KVTransferScheduling, SpecDecodeScheduling, RecoveryScheduling):
     def __init__(
         self,
         block_manager: BlockManager,

@@ -20,8 +20,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+_RECOVERY_BUCKETS = (0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
@@ -53,6 +54,8 @@ class HttpMetrics:
         r.register(self.spec_decode)
         self.kv_transfer = _KVTransferMetrics(model_name)
         r.register(self.kv_transfer)
+        self.recovery = _RecoveryMetrics(model_name)
+        r.register(self.recovery)
 
     def request_done(self, record: RequestTimes, finish_reason: str | None) -> None:
         m = self.model_name
@@ -78,6 +81,7 @@ class HttpMetrics:
             self.kv_usage.labels(m).set(used / total if total else 0.0)
             self.spec_decode.stats = stats
             self.kv_transfer.stats = stats
+            self.recovery.stats = stats
         return generate_latest(self.registry)
 
 
@@ -161,6 +165,32 @@ class _KVTransferMetrics:
                     if value is not None:
                         family.add_metric([self.model_name, quantile], value)
                 yield family
+
+
+class _RecoveryMetrics:
+    """Stage restarts (`asyncpp.runtime.recovery`): how many, and how long each took to serve again."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        if "stage_restarts" not in self.stats:
+            return
+        family = CounterMetricFamily(
+            "asyncpp:stage_restarts", "Stage restarts (a lost stage replaced in place), failed ones included.",
+            labels=["model_name"],
+        )  # fmt: skip
+        family.add_metric([self.model_name], self.stats["stage_restarts"])
+        yield family
+        times = self.stats.get("stage_recovery_s") or []
+        buckets = [(str(b), sum(t <= b for t in times)) for b in _RECOVERY_BUCKETS] + [("+Inf", len(times))]
+        family = HistogramMetricFamily(
+            "asyncpp:stage_recovery_seconds", "A stage lost -> the new stages serving again (recent recoveries).",
+            labels=["model_name"],
+        )  # fmt: skip
+        family.add_metric([self.model_name], buckets, sum(times))
+        yield family
 
 
 class RequestTimes:

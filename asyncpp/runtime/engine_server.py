@@ -6,9 +6,12 @@ It composes the engine's tasks on one loop, none of which blocks it:
   engine role;
 * the step window (`StepWindow`): schedule, dispatch and complete steps across
   the stages, KV-transfer polling included;
-* watchdogs: sleep until a stage process exits, or until a stage passes the
-  step deadline (`parallel.step_timeout_s`: hung), then fail every request
-  with an engine-dead error, turn `/health` false and stop (exit code 1).
+* the supervisor (`asyncpp.runtime.recovery`): sleep until a stage process
+  exits, or until a stage passes the step deadline (`parallel.step_timeout_s`:
+  hung), then restart the stages in place and let every request finish;
+  past `parallel.max_stage_restarts` (or where a restart is not possible),
+  fail every request with an engine-dead error, turn `/health` false and
+  stop (exit code 1).
 What is left here is what ties them together: taking a request into the
 engine core (huge prompts are tokenized off the loop), aborts, failing a
 request with a message for its client, draining on shutdown, and `stats()`.
@@ -30,6 +33,7 @@ from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.errors import InvalidRequestError
 from asyncpp.logging import get_logger
 from asyncpp.runtime.client_port import ClientPort, RequestRefused
+from asyncpp.runtime.recovery import PipelineSupervisor, RestartBudget
 from asyncpp.runtime.stage_group import StageGroup
 from asyncpp.runtime.step_window import StepWindow
 from asyncpp.sampling.params import SamplingParams
@@ -47,6 +51,7 @@ from asyncpp.wire.client_msgs import (
 )
 from asyncpp.wire.queues import RouterQueue
 
+STAGE_START_TIMEOUT_S = 120.0  # a restarted stage's start-up (load, ready, handshake), as the first one's
 
 
 class EngineServer:
@@ -84,6 +89,18 @@ class EngineServer:
             async_scheduling=async_scheduling,
             balancer=balancer,
         )
+        parallel = core.config.parallel
+        self.supervisor = PipelineSupervisor(
+            core,
+            stages,
+            self.window,
+            budget=RestartBudget(parallel.max_stage_restarts, parallel.restart_window_s),
+            start_timeout_s=STAGE_START_TIMEOUT_S,
+            park_outputs=self._park_outputs,
+            unpark_outputs=self._unpark_outputs,
+            on_dead=self._lost,
+        )
+        self._outputs_task: asyncio.Task | None = None
         self.log = get_logger(role="engine", pp_rank=None)
         self._stop = asyncio.Event()
         self.is_dead = False
@@ -106,14 +123,14 @@ class EngineServer:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def serve(self) -> int:
+        self._unpark_outputs()
         tasks = [
             asyncio.create_task(self.port.serve(), name="clients"),
-            asyncio.create_task(self.window.output_loop(), name="outputs"),
             asyncio.create_task(self.window.schedule_loop(), name="schedule"),
-            asyncio.create_task(self._watchdog(), name="watchdog"),
-            asyncio.create_task(self._hang_watchdog(), name="step_deadline"),
+            asyncio.create_task(self.supervisor.run(), name="supervisor"),
         ]
         await self._stop.wait()
+        tasks.append(self._outputs_task)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -212,33 +229,37 @@ class EngineServer:
         return AddRemoteEngineReply(msg.nonce)
 
     # ---- failure ---------------------------------------------------------------------------
-    async def _watchdog(self) -> None:
-        await self._engine_dead(await self.stages.wait_for_death())
+    async def _park_outputs(self) -> None:
+        """Stop the output loop where it waits for the next output (never within a step's
+        completion), so that a restart's start-up messages are read by the stage group."""
+        task = self._outputs_task
+        while task is not None and not task.done() and not self.window.is_reading:
+            await asyncio.sleep(0.001)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
-    async def _hang_watchdog(self) -> None:
-        hung, waited_s = await self.window.wait_for_hang()
-        if self.is_dead:  # a stage exited meanwhile: the death watchdog already stops the engine
+    def _unpark_outputs(self) -> None:
+        self._outputs_task = asyncio.create_task(self.window.output_loop(), name="outputs")
+
+    async def _lost(self, lost: list[int], cause: str, waited_s: float | None, why: str) -> None:
+        """Stages lost and not restarted (`PipelineSupervisor`): fail every request and stop."""
+        if self.is_dead:
             return
         self.is_dead = True
-        self.log.error(
-            "stage_hung",
-            pp_rank=hung[0],
-            hung_pp_ranks=hung,
-            waited_s=round(waited_s, 3),
-            step_timeout_s=self.window.step_timeout_s,
-            num_failed_requests=len(self.peer_of),
-        )
-        await self._fail_all_and_stop(
-            f"engine is dead: stage {hung[0]} hung (no output for {waited_s:.1f} s with a step it could run; "
-            f"parallel.step_timeout_s = {self.window.step_timeout_s:g})"
-        )
-
-    async def _engine_dead(self, dead: list[int]) -> None:
-        if self.is_dead:  # declared hung first (a stage killed after it stopped)
-            return
-        self.is_dead = True
-        self.log.error("stage_died", dead_pp_ranks=dead, num_failed_requests=len(self.peer_of))
-        await self._fail_all_and_stop(f"engine is dead: stage(s) {dead} exited")
+        if cause == "hung":
+            self.log.error(
+                "stage_hung", pp_rank=lost[0], hung_pp_ranks=lost, waited_s=round(waited_s or 0.0, 3),
+                step_timeout_s=self.window.step_timeout_s, num_failed_requests=len(self.peer_of), not_restarted=why,
+            )  # fmt: skip
+            message = (
+                f"engine is dead: stage {lost[0]} hung (no output for {waited_s or 0.0:.1f} s with a step it could "
+                f"run; parallel.step_timeout_s = {self.window.step_timeout_s:g})"
+            )
+        else:
+            self.log.error("stage_died", dead_pp_ranks=lost, num_failed_requests=len(self.peer_of), not_restarted=why)
+            message = f"engine is dead: stage(s) {lost} exited"
+        await self._fail_all_and_stop(f"{message}; not restarted: {why}")
 
     async def _fail_all_and_stop(self, message: str) -> None:
         for request_id in list(self.peer_of):
@@ -265,6 +286,7 @@ class EngineServer:
             "handoff_us_p50": [_percentile(h, 50) for h in window.handoff_us[:-1]],
             "handoff_us_p99": [_percentile(h, 99) for h in window.handoff_us[:-1]],
             "is_dead": self.is_dead,
+            **self.supervisor.stats(),
             "stage_pids": [p.pid for p in self.stages.procs],
             "run_id": self.stages.addresses.run_id,
             **self._compute_stats(),

@@ -23,12 +23,16 @@ from collections.abc import Iterator
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import zmq
+
 from asyncpp.kernels.isa import torch_isa_env
 from asyncpp.kv_transfer.handshake import KVHandshakeMetadata, aggregate_handshakes
 from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.cpu_affinity import affinity_env
+from asyncpp.runtime.fault_hooks import INCARNATION_ENV
 from asyncpp.runtime.stage_process import StageArgs, stage_main
 from asyncpp.wire.codec import encode
+from asyncpp.wire.loop_socket import SocketClosedError
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
 from asyncpp.wire.stage_msgs import Shutdown, StageHandshake, StageReady, StageStart
 from asyncpp.worker.shared_kv import SharedKVSpec
@@ -45,6 +49,10 @@ class StageDiedError(RuntimeError):
     pass
 
 
+class StagesRestartedError(RuntimeError):
+    """A message for the stages a restart replaced: it never reached them."""
+
+
 class StageGroup:
     def __init__(self, stage_args: list[StageArgs], addresses: RunAddresses) -> None:
         self.stage_args = stage_args
@@ -53,16 +61,59 @@ class StageGroup:
         # The engine binds its ends first so stages can connect in any order.
         self.plan_queues = [AsyncPushQueue(addresses.plan(a.pp_rank), bind=True) for a in stage_args]
         self.outputs = AsyncPullQueue(addresses.stage_outputs, bind=True)
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=stage_main, args=(a,), name=f"asyncpp-stage-{a.pp_rank}") for a in stage_args]
+        self.procs = self._new_procs()
         self.readies: list[StageReady] = []
+        self.incarnation = 0  # restarts so far (`start_again`); each stage sees it as ASYNCPP_STAGE_INCARNATION
+        self._started_with: tuple[int, list[SharedKVSpec]] | None = None  # `start_stages`' arguments
+        self._started_at = 0.0
+        self.start_s: list[float] = []  # each start (the first, then every restart): processes -> handshakes
+
+    def _new_procs(self) -> list:
+        ctx = mp.get_context("spawn")
+        return [ctx.Process(target=stage_main, args=(a,), name=f"asyncpp-stage-{a.pp_rank}") for a in self.stage_args]
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         for args, p in zip(self.stage_args, self.procs):
             env = torch_isa_env(args.isa) if args.isa else {}
             env = env | openmp_env(args.device, os.environ) | affinity_env(args.cpus, os.environ)
-            with _environ(env):
+            with _environ(env | {INCARNATION_ENV: str(self.incarnation)}):
                 p.start()
+
+    @property
+    def supports_restart(self) -> bool:
+        return True
+
+    async def kill_all(self, timeout_s: float = 5.0) -> None:
+        """The first half of a restart: kill every stage process (a survivor may be blocked for good
+        on a lost stage's ring or queue) and reap it, remove the rings and torch files, and replace
+        the plan queues by new ones on the same addresses. A send still waiting on an old queue (its
+        stage died before taking the plan) fails with `StagesRestartedError` instead of handing a
+        new stage a stale plan. The engine's output queue stays bound."""
+        for p in self.procs:
+            if p.pid is not None and p.exitcode is None:
+                p.kill()
+        deadline = time.monotonic() + timeout_s
+        while any(p.pid is not None and p.exitcode is None for p in self.procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        self._reap_procs()
+        self._unlink_rings()
+        old_queues, self.plan_queues = self.plan_queues, []
+        for q in old_queues:
+            q.close()
+        self.plan_queues = [AsyncPushQueue(self.addresses.plan(a.pp_rank), bind=True) for a in self.stage_args]
+
+    async def start_again(self, timeout_s: float) -> None:
+        """The second half: new processes with the same `StageArgs` (layers, device, transport,
+        CPUs), taken through start-up again: ready-acks, the `StageStart` the first ones got,
+        handshakes. Raises like `wait_ready` when a new stage dies or is late."""
+        self.incarnation += 1
+        self.procs = self._new_procs()
+        self.start()
+        await self.wait_ready(timeout_s)
+        if self._started_with is not None:
+            await self.start_stages(*self._started_with)
+            await self.wait_handshakes(timeout_s)
 
     def dead_stages(self) -> list[int]:
         return [rank for rank, p in enumerate(self.procs) if p.exitcode is not None]
@@ -101,6 +152,7 @@ class StageGroup:
         """Collect one `StageHandshake` per stage (sent once its runner is built, after
         `start_stages`): the published metadata by `(pp_rank, tp_rank)`; raise like `wait_ready`."""
         msgs = await self._collect(StageHandshake, timeout_s, "built")
+        self.start_s.append(time.monotonic() - self._started_at)
         return aggregate_handshakes((msg.pp_rank, msg.tp_rank, msg.metadata) for msg in msgs)
 
     async def _collect(self, cls: type, timeout_s: float, what: str) -> list:
@@ -124,14 +176,23 @@ class StageGroup:
         return msgs
 
     async def start_stages(self, num_kv_blocks: int, shared_kv: list[SharedKVSpec] | None = None) -> None:
+        self._started_with = (num_kv_blocks, list(shared_kv or []))
         for rank, q in enumerate(self.plan_queues):
             send_ring = self.readies[rank + 1].recv_ring if rank + 1 < self.pp_size else None
             await q.put(StageStart(num_kv_blocks, send_ring, list(shared_kv or [])))
 
     async def broadcast(self, msg) -> None:
+        """Send `msg` to every stage; `StagesRestartedError` if a restart replaced them meanwhile
+        (a send to a dead stage waits until a restart closes its queue)."""
         frame = encode(msg)  # once for every stage: plans are the engine's hottest encode
-        for q in self.plan_queues:
-            await q.put_encoded(frame)
+        queues = self.plan_queues
+        try:
+            for q in queues:
+                await q.put_encoded(frame)
+        except (SocketClosedError, zmq.ZMQError) as e:
+            if queues is self.plan_queues:
+                raise
+            raise StagesRestartedError("the stages were replaced while a message was sent to them") from e
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         # After a stage died, the survivors may be blocked forever on it (waiting for its
@@ -155,14 +216,27 @@ class StageGroup:
     def reap(self) -> None:
         """Terminate, then kill, whatever still runs; unlink every ring and torch file; remove the run dir."""
         for p in self.procs:
-            if p.exitcode is None:
+            if p.pid is not None and p.exitcode is None:
                 p.terminate()
+        self._reap_procs()
+        self._unlink_rings()
+        for q in self.plan_queues:
+            q.close()
+        self.outputs.close()
+        shutil.rmtree(self.addresses.run_dir, ignore_errors=True)
+
+    def _reap_procs(self) -> None:
+        """Join every started process (killing what still runs after 2 s) and remove its torch files."""
         for p in self.procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=2.0)
             if p.exitcode is None:
                 p.kill()
                 p.join(timeout=2.0)
             unlink_torch_shm(p.pid)
+
+    def _unlink_rings(self) -> None:
         for name in self.addresses.ring_names(self.pp_size):
             try:
                 seg = shared_memory.SharedMemory(name=name)
@@ -170,10 +244,6 @@ class StageGroup:
                 continue
             seg.close()
             seg.unlink()
-        for q in self.plan_queues:
-            q.close()
-        self.outputs.close()
-        shutil.rmtree(self.addresses.run_dir, ignore_errors=True)
 
 
 def unlink_torch_shm(pid: int, shm_dir: Path = Path("/dev/shm")) -> list[str]:

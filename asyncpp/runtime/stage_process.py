@@ -52,6 +52,7 @@ from asyncpp.logging import configure_logging, get_logger, is_debug_enabled
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
 from asyncpp.profiling import profiled
 from asyncpp.runtime.addresses import RunAddresses
+from asyncpp.runtime.fault_hooks import exit_if_faulted
 from asyncpp.runtime.gc_heap import freeze_startup_heap
 from asyncpp.runtime.parent_death import die_with_parent
 from asyncpp.step_phases import step_phases
@@ -146,6 +147,7 @@ def stage_main(args: StageArgs, inputs: StageInputs | None = None) -> None:
     """Entry point of a spawned stage process; `inputs`: its receiving queues if already bound."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
     _die_with_launcher()
+    exit_if_faulted(args.pp_rank)  # a test's crash loop
     configure_logging(args.log_format, args.log_level, args.log_file)
     torch.set_num_threads(args.num_threads)
     if is_cuda(args.device):

@@ -57,7 +57,7 @@ from asyncpp.engine.outputs import RequestOutput
 from asyncpp.logging import get_logger, is_debug_enabled
 from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.runtime.step_deadline import hung_stages, waiting_since
-from asyncpp.runtime.stage_group import StageGroup
+from asyncpp.runtime.stage_group import StageGroup, StagesRestartedError
 from asyncpp.step_phases import step_phases
 from asyncpp.wire.stage_msgs import StageOutput
 
@@ -128,6 +128,9 @@ class StepWindow:
         self._poll_timer: asyncio.TimerHandle | None = None
         self._is_debug = is_debug_enabled(self.log)  # per-step debug events cost even when filtered out
         self.is_stopped = False  # the engine is dead: nothing more is dispatched
+        self.is_paused = False  # the stages restart (`pause`): nothing is dispatched meanwhile
+        self._forgotten: set[int] = set()  # steps `pause` dropped: a late output of theirs is ignored
+        self.is_reading = False  # `output_loop` waits for the next output (and only there)
         self.num_steps = 0
         self.num_lent_steps = 0  # dispatched with lent threads
         self.stage_busy_s = [0.0] * self.pp_size
@@ -142,6 +145,23 @@ class StepWindow:
         self.is_stopped = True
         self.in_flight.clear()
         self.cohorts.clear()
+
+    def pause(self) -> int:
+        """The stages are lost: dispatch nothing until `resume`, and forget the steps in flight
+        (never completed; an output of theirs that still comes is dropped). Returns how many."""
+        self.is_paused = True
+        self._forgotten.update(self.in_flight)
+        num_steps = len(self.in_flight)
+        self.in_flight.clear()
+        self.cohorts.clear()
+        self._last_prefill_tokens = 0
+        return num_steps
+
+    def resume(self) -> None:
+        """New stages are up: the step deadline starts over, and the window fills again."""
+        self.is_paused = False
+        self.last_output_at = [time.monotonic()] * self.pp_size
+        self._wake.set()
 
     # ---- scheduling ------------------------------------------------------------------------
     async def schedule_loop(self) -> None:
@@ -160,7 +180,7 @@ class StepWindow:
         """
         phases, clock = self.phases, time.perf_counter
         async with self._dispatch_lock:
-            while not self.is_stopped and (plan := self._timed_schedule()) is not None:
+            while not self.is_stopped and not self.is_paused and (plan := self._timed_schedule()) is not None:
                 if self.max_lent_threads and len(self.cohorts) == 1 and (n := self._lent_threads()):
                     plan = dataclasses.replace(plan, num_threads=n)
                     self.num_lent_steps += 1
@@ -171,7 +191,10 @@ class StepWindow:
                 self.last_dispatched_step_id = plan.step_id
                 self._last_prefill_tokens = num_prefill_tokens(plan)
                 t0 = clock()
-                await self.stages.broadcast(plan)
+                try:
+                    await self.stages.broadcast(plan)
+                except StagesRestartedError:
+                    return  # `pause` forgot the plan; the new stages get the next ones
                 phases.add("send_plan", clock() - t0)
                 if self._is_debug:
                     self.log.debug(
@@ -272,12 +295,17 @@ class StepWindow:
     # ---- stage outputs ---------------------------------------------------------------------
     async def output_loop(self) -> None:
         while True:
-            out = await self.stages.outputs.get()
+            self.is_reading = True  # cancelled only here (a restart takes the queue): no output half-applied
+            try:
+                out = await self.stages.outputs.get()
+            finally:
+                self.is_reading = False
             if not isinstance(out, StageOutput):
                 continue
             step = self.in_flight.get(out.step_id)
             if step is None:
-                self.log.warning("unknown_step_output", step_id=out.step_id, pp_rank=out.pp_rank)
+                if out.step_id not in self._forgotten:
+                    self.log.warning("unknown_step_output", step_id=out.step_id, pp_rank=out.pp_rank)
                 continue
             step.outputs[out.pp_rank] = out
             step.reported_at[out.pp_rank] = self.last_output_at[out.pp_rank] = time.monotonic()

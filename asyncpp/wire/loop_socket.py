@@ -33,6 +33,10 @@ _POLLOUT = int(zmq.POLLOUT)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
+class SocketClosedError(ConnectionError):
+    """The socket was closed while this call waited on it."""
+
+
 class LoopSocket:
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
@@ -87,8 +91,13 @@ class LoopSocket:
         return frames
 
     def close(self) -> None:
+        """Close the socket; a send or receive waiting on it raises `SocketClosedError`."""
+        waiters = self._waiters
         self._detach()
         self.sock.close(linger=0)
+        for _, waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(SocketClosedError("socket closed"))
 
     async def _wait(self, event: int) -> None:
         if not self.sock.getsockopt(_EVENTS) & event:

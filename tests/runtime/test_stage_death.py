@@ -1,4 +1,4 @@
-"""A stage killed with SIGKILL: every request fails with EngineDeadError, and nothing is left behind.
+"""A stage killed with SIGKILL and not restarted: every request fails with EngineDeadError, and nothing is left behind.
 
 "Fast" is a liveness bound here (generous, for a busy 2-core machine), not a
 speed limit: how fast belongs in the logs and benchmarks.
@@ -46,7 +46,10 @@ async def stream_until_failure(client: AsyncClient, prompt, first_token: asyncio
 @pytest.mark.parametrize("victim", ["first", "last"])
 async def test_killing_a_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, victim, device, connector):
     # At most 20 running requests, so the extra ones stay queued.
-    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), scheduler={"max_num_seqs": NUM_RUNNING}, model={"device": device})
+    sections = tiny_sections(
+        tiny_hf_dir, 2, (2, 2), scheduler={"max_num_seqs": NUM_RUNNING}, model={"device": device},
+        parallel={"max_stage_restarts": 0},  # fail-stop (restarts: test_stage_restart.py)
+    )  # fmt: skip
     if connector is not None:  # its stores are shared memory too (asyncpp-<run id>-kv0-<rank>)
         sections["kv_transfer"] = {"connector": connector, "store_size_mb": 2}
     # CUDA: the ring is GPU memory shared through IPC handles, but torch keeps a reference

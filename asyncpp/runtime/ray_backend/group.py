@@ -68,6 +68,7 @@ class RayStageGroup(StageGroup):
         self.readies = []
         self.addresses = addresses
         self.plan_queues, self.outputs, self.procs = [], None, []
+        self._started_at, self.start_s = time.monotonic(), []
         self._log = get_logger(role="launch")
         self._placement: Placement | None = None
         self._actors: list = []
@@ -146,7 +147,12 @@ class RayStageGroup(StageGroup):
         )
 
     def start(self) -> None:
+        self._started_at = time.monotonic()
         self._runs = [actor.run.remote(args).future() for actor, args in zip(self._actors, self.stage_args)]
+
+    @property
+    def supports_restart(self) -> bool:
+        return False  # not yet: a lost actor (or node) still stops the engine
 
     def dead_stages(self) -> list[int]:
         return [rank for rank, run in enumerate(self._runs) if run.done()]
