@@ -15,6 +15,7 @@ The gaps lie inside the measured duration.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import time
@@ -26,6 +27,7 @@ from asyncpp.bench.cpu import CpuSnapshot
 from asyncpp.bench.datasets import BenchRequest
 from asyncpp.bench.metrics import RequestRecord, TokenTimer
 from asyncpp.bench.openai_backend import OpenAIBackend
+from asyncpp.bench.stage_kill import StageKill, kill_stage
 from asyncpp.client import AsyncClient
 
 NUM_WARMUP_REQUESTS = 2
@@ -40,6 +42,7 @@ class LoadResult:
     stats_after: dict[str, Any]
     cpu_before: CpuSnapshot  # taken with stats_before / stats_after
     cpu_after: CpuSnapshot
+    killed_at: float | None = None  # `kill`: when the stage was killed (monotonic s); None: it was not
 
 
 def sampling_params(output_len: int, ignore_eos: bool, temperature: float) -> dict[str, Any]:
@@ -125,6 +128,16 @@ async def send_requests(
     return list(await asyncio.gather(*tasks))
 
 
+async def _ended(killing: asyncio.Future | None) -> float | None:
+    """The kill's time if it happened before the requests ended (else it is called off)."""
+    if killing is None:
+        return None
+    if not killing.done():
+        killing.cancel()
+    await asyncio.gather(killing, return_exceptions=True)
+    return killing.result() if not killing.cancelled() else None
+
+
 async def run_load(
     address: str,
     requests: Sequence[BenchRequest],
@@ -140,6 +153,7 @@ async def run_load(
     on_start: Callable[[], None] = lambda: None,
     on_done: Callable[[RequestRecord], None] = lambda r: None,
     backend: OpenAIBackend | None = None,
+    kill: StageKill | None = None,
 ) -> LoadResult:
     """Through the native client, or through `backend` (HTTP) when given. Engine stats come from
     `address` (the native client); with no address (an outside server) they are empty."""
@@ -161,14 +175,20 @@ async def run_load(
 
         on_start()
         started = time.monotonic()
-        records = await send_requests(
-            send, requests, max_concurrency=max_concurrency, request_rate=request_rate, seed=seed,
-            burst_size=burst_size, burst_gap_s=burst_gap_s, on_done=on_done,
-        )
+        killing = asyncio.ensure_future(kill_stage(kill, stats)) if kill is not None else None
+        try:
+            records = await send_requests(
+                send, requests, max_concurrency=max_concurrency, request_rate=request_rate, seed=seed,
+                burst_size=burst_size, burst_gap_s=burst_gap_s, on_done=on_done,
+            )
+        finally:
+            killed_at = await _ended(killing)
         finished = max((r.sent_at + r.e2e_s for r in records if r.e2e_s is not None), default=time.monotonic())
         stats_after = await stats()
         cpu_after = CpuSnapshot.take(stats_after.get("stage_pids", []))
-        return LoadResult(records, finished - started, stats_before, stats_after, cpu_before, cpu_after)
+        if stats_after.get("stage_pids") != stats_before.get("stage_pids"):  # restarted: other processes
+            cpu_after = dataclasses.replace(cpu_after, stage_cpu_s=[None] * len(cpu_after.stage_cpu_s))
+        return LoadResult(records, finished - started, stats_before, stats_after, cpu_before, cpu_after, killed_at)
     finally:
         if client is not None:
             client.close()

@@ -89,6 +89,12 @@ def run_block(run: dict[str, Any]) -> str:
     if run.get("kv_transfer"):
         lines.append(" KV connector (measured window) ".center(WIDTH, "-"))
         lines += kv_lines(run["kv_transfer"])
+    if rec := run.get("recovery"):
+        lines.append(" Stage killed mid-run ".center(WIDTH, "-"))
+        row("Kill -> next token (s):", fmt(rec["kill_to_next_token_s"]))
+        row("Stage start, first / restarts (s):", " / ".join(fmt(s) for s in rec["stage_start_s"]))
+        row("Restarts / failed requests:", f"{rec['num_restarts']} / {rec['num_failed_requests']}")
+        row("Recomputed requests / tokens:", f"{rec['num_recomputed_requests']} / {rec['num_recomputed_tokens']}")
     lines.append("=" * WIDTH)
     return "\n".join(lines)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncpp.bench.stage_kill import StageKill
 from asyncpp.config import EngineConfig, config_from_dict
 from asyncpp.toml_write import to_toml  # noqa: F401  (re-exported: derived configs are written with it)
 
@@ -24,6 +25,7 @@ ALIASES = {
     "async_output": "scheduler.async_output",
     "backend": "bench.backend",  # not a config key: how the bench talks to this run (native | openai)
     "tree": "bench.tree",  # not a config key: the checkout of asyncpp this run's engine imports (another revision)
+    "kill": "bench.kill_stage",  # not a config key: RANK@SECONDS, a stage killed mid-run (`asyncpp.bench.stage_kill`)
 }
 
 
@@ -38,6 +40,11 @@ class RunSpec:
         if value not in ("native", "openai"):
             raise ValueError(f"run {self.label!r}: backend must be native or openai, got {value!r}")
         return value
+
+    def stage_kill(self) -> StageKill | None:
+        """`kill=RANK@SECONDS`: that stage is killed that long after the requests start; None: not."""
+        value = dict(self.overrides).get("bench.kill_stage")
+        return None if value is None else StageKill.parse(value)
 
     def tree(self) -> Path | None:
         """`tree=PATH`: the run's engine imports asyncpp from that checkout (a worktree of another

@@ -75,6 +75,7 @@ from asyncpp.bench.metrics import busy_fractions, ratio_rows, serving_metrics, s
 from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, validate
 from asyncpp.bench.shared_prefix import cold_warm_ttft, prefix_group, shared_prefix_requests
 from asyncpp.bench.spec_report import spec_section
+from asyncpp.bench.stage_kill import recovery_section
 from asyncpp.engine.compute_plan import resolve_compute_plan
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.profiling import profiled
@@ -186,6 +187,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
                     burst_size=args.burst_size, burst_gap_s=args.burst_gap_s,
                     on_start=lambda: bars.append(Progress(len(requests), f"[{run.label}] requests", "req")),
                     on_done=lambda _: bars[0].update(),
+                    kill=run.stage_kill(),
                 )
             )
         finally:
@@ -223,6 +225,9 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
             "stage_pids": after.get("stage_pids", []),
             "run_id": after.get("run_id"),
         },
+        "recovery": (
+            recovery_section(load.records, load.killed_at, load.stats_before, after) if load.killed_at else None
+        ),
         "requests": [r.to_dict() for r in load.records],
     }
 
