@@ -25,6 +25,7 @@ from asyncpp.trace.records import ParsedLog, StageSlice
 from asyncpp.trace.stats import PipelineStats
 
 ENGINE_PID = 1  # pid 0 reads as the kernel's idle task in some viewers
+RESTART_TID = 999  # the engine track's row of stage restarts (below the in-flight lanes)
 Event = dict[str, Any]
 
 
@@ -39,7 +40,7 @@ def build_trace(log: ParsedLog, stats: PipelineStats | None = None, source: str 
     placed = _placed_slices(log)
     events = _process_metadata(log, placed, steps)
     timed = _stage_slice_events(placed, t0) + _flow_events(placed, t0) + _engine_events(steps, t0)
-    timed += _counter_events(log, t0)
+    timed += _counter_events(log, t0) + _restart_events(log, t0)
     timed.sort(key=lambda e: e["ts"])  # metadata stays first; stable sort keeps the rest readable
     return {"traceEvents": events + timed, "displayTimeUnit": "ms", "metadata": _metadata(log, stats, t0, source)}
 
@@ -47,6 +48,7 @@ def build_trace(log: ParsedLog, stats: PipelineStats | None = None, source: str 
 def _first_us(log: ParsedLog) -> int:
     times = [s.start_us for s in log.slices] + [d.t_us for d in log.dispatched] + [c.t_us for c in log.completed]
     times += [c.t_us - round(c.duration_ms * 1e3) for c in log.completed if c.duration_ms is not None]
+    times += [r.lost_us for r in log.restarts]
     return min(times, default=0)
 
 
@@ -67,6 +69,8 @@ def _process_metadata(log: ParsedLog, placed: list[tuple[StageSlice, int]], step
     events = [meta("process_name", ENGINE_PID, name="engine"), meta("process_sort_index", ENGINE_PID, sort_index=0)]
     for lane in sorted(set(_engine_lanes(steps))):
         events.append(meta("thread_name", ENGINE_PID, lane, name=f"in flight #{lane}"))
+    if log.restarts:
+        events.append(meta("thread_name", ENGINE_PID, RESTART_TID, name="stage restarts"))
     for rank in log.pp_ranks:
         events.append(meta("process_name", stage_pid(rank), name=f"stage {rank}"))
         events.append(meta("process_sort_index", stage_pid(rank), sort_index=1 + rank))
@@ -146,6 +150,22 @@ def _counter_events(log: ParsedLog, t0: int) -> list[Event]:
             events.append({**counter, "name": "requests", "args": requests})
         if c.kv_usage is not None:
             events.append({**counter, "name": "kv_usage", "args": {"kv_usage": c.kv_usage}})
+    return events
+
+
+def _restart_events(log: ParsedLog, t0: int) -> list[Event]:
+    """Each stage restart as a slice on the engine's track, from the loss to serving again."""
+    events: list[Event] = []
+    for r in log.restarts:
+        base = {
+            "cat": "recovery", "pid": ENGINE_PID, "tid": RESTART_TID, "ts": r.lost_us - t0,
+            "name": f"stage restart: stage(s) {list(r.pp_ranks)} {r.cause}",
+            "args": {"pp_ranks": list(r.pp_ranks), "cause": r.cause},
+        }  # fmt: skip
+        if r.recovered_us is None:
+            events.append({**base, "ph": "i", "s": "p", "name": base["name"] + " (never recovered)"})
+        else:
+            events.append({**base, "ph": "X", "dur": r.recovered_us - r.lost_us})
     return events
 
 

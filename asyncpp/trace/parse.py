@@ -12,17 +12,20 @@ Used events and required fields:
   step_dispatched  step_id, t_us
   step_completed   step_id, t_us
   step_failed      step_id (engine side; a stage's own step_failed is ignored)
+  stage_lost       t_us, pp_ranks, cause (a stage restart begins)
+  stage_recovered  t_us (the latest restart ends)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from asyncpp.trace.records import ParsedLog, StageSlice, StepCompleted, StepDispatched
+from asyncpp.trace.records import ParsedLog, StageRestart, StageSlice, StepCompleted, StepDispatched
 
 
 class _BadField(Exception):
@@ -119,11 +122,27 @@ def _step_failed(obj: dict[str, Any], log: ParsedLog) -> None:
     log.failed_step_ids.add(_int(obj, "step_id"))
 
 
+def _stage_lost(obj: dict[str, Any], log: ParsedLog) -> None:
+    ranks = obj.get("pp_ranks")
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+        raise _BadField("pp_ranks")
+    log.restarts.append(StageRestart(_int(obj, "t_us"), tuple(ranks), str(obj.get("cause", ""))))
+
+
+def _stage_recovered(obj: dict[str, Any], log: ParsedLog) -> None:
+    t_us = _int(obj, "t_us")
+    if not log.restarts or log.restarts[-1].recovered_us is not None:
+        raise _BadField("stage_recovered without stage_lost")
+    log.restarts[-1] = dataclasses.replace(log.restarts[-1], recovered_us=t_us)
+
+
 _HANDLERS: dict[str, Callable[[dict[str, Any], ParsedLog], None]] = {
     "stage_done": _stage_done,
     "step_dispatched": _step_dispatched,
     "step_completed": _step_completed,
     "step_failed": _step_failed,
+    "stage_lost": _stage_lost,
+    "stage_recovered": _stage_recovered,
 }
 
 

@@ -3,7 +3,7 @@
 Left: one row per stage, a bar per `stage_done` slice over the run's span
 (ms from the first slice), coloured by step_id so one step can be followed
 down the stages; gaps are bubbles. Right: per stage, busy % and bubble %
-stacked to 100 %. The title gives the mean bubble fraction. Uses the Agg
+stacked to 100 %. Stage restarts are shaded on the timeline. The title gives the mean bubble fraction. Uses the Agg
 backend (no display needed); matplotlib is imported only when a PNG is asked for.
 """
 
@@ -16,6 +16,7 @@ from asyncpp.trace.stats import PipelineStats
 
 _BUSY_COLOR = "#4c72b0"
 _BUBBLE_COLOR = "#dd8452"
+_RESTART_COLOR = "#c44e52"
 
 
 def render_summary_png(log: ParsedLog, stats: PipelineStats | None, path: str | Path) -> None:
@@ -42,6 +43,11 @@ def render_summary_png(log: ParsedLog, stats: PipelineStats | None, path: str | 
         mine = log.stage_slices(rank)
         ranges = [((s.start_us - stats.span_start_us) / 1e3, s.duration_us / 1e3) for s in mine]
         ax_time.broken_barh(ranges, (row - 0.4, 0.8), facecolors=[cmap(s.step_id % 10) for s in mine], linewidth=0)
+    for r in log.restarts:  # stage restarts: shaded from the loss to serving again
+        end_us = r.recovered_us if r.recovered_us is not None else stats.span_start_us + stats.span_us
+        lost_ms, end_ms = (r.lost_us - stats.span_start_us) / 1e3, (end_us - stats.span_start_us) / 1e3
+        ax_time.axvspan(lost_ms, end_ms, color=_RESTART_COLOR, alpha=0.3, linewidth=0)
+        ax_time.text(lost_ms, -0.45, f"restart: stage {list(r.pp_ranks)} {r.cause}", fontsize=7, va="bottom")
     ax_time.set_xlim(0, max(stats.span_us / 1e3, 1e-3))
     ax_time.set_xlabel("time since first slice (ms)")
     ax_time.set_yticks(range(len(ranks)), [f"stage {r}" for r in ranks])

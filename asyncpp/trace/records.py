@@ -54,6 +54,16 @@ class StepCompleted:
     kv_usage: float | None = None  # fraction of KV blocks in use, 0..1
 
 
+@dataclass(frozen=True)
+class StageRestart:
+    """A restart of the stages (`asyncpp.runtime.recovery`): `stage_lost` to `stage_recovered`."""
+
+    lost_us: int
+    pp_ranks: tuple[int, ...]
+    cause: str  # "exited" | "hung"
+    recovered_us: int | None = None  # None: the engine never served again (or the log ends first)
+
+
 @dataclass
 class ParsedLog:
     """Everything the trace needs from one log file.
@@ -69,6 +79,7 @@ class ParsedLog:
     dispatched: list[StepDispatched] = field(default_factory=list)
     completed: list[StepCompleted] = field(default_factory=list)
     failed_step_ids: set[int] = field(default_factory=set)  # engine-side `step_failed`
+    restarts: list[StageRestart] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
     num_other: int = 0
     num_blank: int = 0
