@@ -32,6 +32,11 @@ class SpareCpus:
         self._last = self._read()
         self._next_at = time.monotonic() + interval_s
 
+    def track(self, pids: Sequence[int]) -> None:
+        """Our processes are now `pids` (the stages restarted): measure from here on."""
+        self.pids = list(pids)
+        self._last = self._read()
+
     def refresh(self, now: float) -> float:
         """The spare CPUs, read again once `interval_s` has passed since the last reading."""
         if now < self._next_at:

@@ -161,6 +161,8 @@ class StepWindow:
         """New stages are up: the step deadline starts over, and the window fills again."""
         self.is_paused = False
         self.last_output_at = [time.monotonic()] * self.pp_size
+        if self.spare_cpus is not None:  # the stages are other processes now
+            self.spare_cpus.track([os.getpid(), *(p.pid for p in self.stages.procs)])
         self._wake.set()
 
     # ---- scheduling ------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def _server(pp_size: int = 2, num_threads: int = 1, num_spare_cpus: float = 64.0
     core = SimpleNamespace(config=config, scheduler=scheduler, kv_connector=None)
     server = EngineServer(core, FakeStages(pp_size), router=None, async_scheduling=True).window
     if server.spare_cpus is not None:  # the machine running the tests is no idle pipeline
-        server.spare_cpus = SimpleNamespace(refresh=lambda now: num_spare_cpus)
+        server.spare_cpus = SimpleNamespace(refresh=lambda now: num_spare_cpus, track=lambda pids: None)
     return server
 
 

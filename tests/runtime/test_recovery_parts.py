@@ -4,14 +4,17 @@ waiters, and the step window's pause (`asyncpp.runtime.recovery`)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import zmq
 
 from asyncpp.runtime.fault_hooks import FAULT_EXIT_CODE, FAULT_EXIT_ENV, INCARNATION_ENV, exit_if_faulted
 from asyncpp.runtime.recovery import RestartBudget
+from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.wire.loop_socket import LoopSocket, SocketClosedError
 from asyncpp.wire.stage_msgs import StageOutput
 from asyncpp.worker.outputs import ModelRunnerOutput
@@ -69,6 +72,24 @@ def test_a_paused_window_dispatches_nothing_and_ignores_the_forgotten_steps():
     (plan,) = _dispatch(window)[:1]
     assert plan.step_id > plans[-1].step_id and plan.scheduled[0].request_id == "a"
     assert window.last_output_at[0] > 0  # the step deadline starts over
+
+
+def test_resume_measures_spare_cpus_against_the_new_stage_processes():
+    window = _server(pp_size=2)
+    tracked: list = []
+    window.spare_cpus = SimpleNamespace(track=tracked.append)
+    window.stages.procs = [SimpleNamespace(pid=101), SimpleNamespace(pid=102)]
+    window.pause()
+    window.resume()
+    assert tracked == [[os.getpid(), 101, 102]]
+
+
+def test_spare_cpus_track_the_new_processes_from_a_fresh_reading():
+    spare = SpareCpus([2**22 + 1], interval_s=0.0)  # a gone pid: the restarted stages' old one
+    sum(i * i for i in range(200_000))  # CPU time of this process, before it is ours
+    spare.track([os.getpid()])
+    assert spare.pids == [os.getpid()]
+    assert spare._last is not None and spare._last[2] > 0.0  # our time so far is the new baseline
 
 
 async def test_a_late_output_of_a_forgotten_step_is_dropped_quietly(capsys):
