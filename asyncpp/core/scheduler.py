@@ -41,24 +41,7 @@ Contract
   adding `new_requests` (an id may reappear as a new request). Preempted
   requests keep their runner state and are re-sent in `new_requests`.
 
-KV connector (optional; see `asyncpp.kv_transfer.base`)
-* A waiting request's prefix beyond the engine's own cache hits may come
-  from the connector. Loaded asynchronously, its blocks are allocated at
-  once and the request waits in `WAITING_FOR_REMOTE_KVS` until the merged
-  output (every stage) reports the load; then it queues again by arrival
-  order with those tokens computed, less any from the first block that failed
-  to load (recomputed, never used).
-* Every plan carries the connector's metadata. A plan with no request is
-  returned only when asked (`allow_empty`): the engine sends one to start
-  transfers or to poll them while nothing else runs (`has_pending_transfers`).
-* A finished request keeps its blocks while the connector still moves them
-  (`request_finished` says so, or its load is in flight) until every stage
-  has reported the transfer; its id stays taken until then. Each transfer
-  has a deadline: past it, every stage aborts it (`scheduler_kv`).
-* A request preempted while building a plan is named in its
-  `preempted_req_ids`: stages finish its transfers before reusing its blocks.
-* A request whose connector answers "ask again later" keeps its place in the
-  queue; the requests behind it are admitted meanwhile.
+KV connector (optional): the contract is in `asyncpp.core.scheduler_kv`.
 
 Priority is arrival order (order of `add_request`), everywhere:
 * Running requests are served oldest first; waiting ones are admitted FCFS,

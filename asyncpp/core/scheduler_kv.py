@@ -7,8 +7,26 @@ load (until their load is complete on every stage), the requests preempted
 while building the current plan, and a deadline per transfer. The
 `Scheduler` calls these from admission (`_start_load`), plan building
 (`_build_connector_meta`), `merge_kv_outputs` + `update_from_output`
-(`_update_from_connector`) and `_release` / `_forget`; see its docstring for
-the contract.
+(`_update_from_connector`) and `_release` / `_forget`.
+
+The contract (see `asyncpp.kv_transfer.base` for the connector's):
+* A waiting request's prefix beyond the engine's own cache hits may come
+  from the connector. Loaded asynchronously, its blocks are allocated at
+  once and the request waits in `WAITING_FOR_REMOTE_KVS` until the merged
+  output (every stage) reports the load; then it queues again by arrival
+  order with those tokens computed, less any from the first block that failed
+  to load (recomputed, never used).
+* Every plan carries the connector's metadata. A plan with no request is
+  returned only when asked (`allow_empty`): the engine sends one to start
+  transfers or to poll them while nothing else runs (`has_pending_transfers`).
+* A finished request keeps its blocks while the connector still moves them
+  (`request_finished` says so, or its load is in flight) until every stage
+  has reported the transfer; its id stays taken until then. Each transfer
+  has a deadline: past it, every stage aborts it (below).
+* A request preempted while building a plan is named in its
+  `preempted_req_ids`: stages finish its transfers before reusing its blocks.
+* A request whose connector answers "ask again later" keeps its place in the
+  queue; the requests behind it are admitted meanwhile.
 
 The rule: **every block a transfer holds is released on every path.** A
 request's blocks are freed once it is finished and neither loading nor held

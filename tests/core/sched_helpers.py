@@ -118,6 +118,7 @@ def drive_async(
     max_cohorts: int,
     min_prefill_share: int | None = None,
     max_steps: int = 100_000,
+    restart_after: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
     """Run until no request is left with async scheduling, like the pipeline engine (minus its spacing).
 
@@ -127,7 +128,10 @@ def drive_async(
     their placeholders replaced by the latest sampled tokens (the first
     stage's job) and come back in step order. With `min_prefill_share`, each
     plan takes at most its cohort's share of the pending prompt tokens (at
-    least that many). Returns the number of plans and of placeholders filled.
+    least that many). After each plan numbered in `restart_after` is dispatched,
+    the stages restart: a fresh model (no KV, no request known), the plans in
+    flight dropped, `Scheduler.recompute_all`. Returns the number of plans and
+    of placeholders filled.
     """
     latest: dict[str, int] = {}
     in_flight: collections.deque[tuple[StepPlan, dict[str, list[int]]]] = collections.deque()
@@ -168,6 +172,10 @@ def drive_async(
             latest.update((request_id, tokens[-1]) for request_id, tokens in sampled.items())
             in_flight.append((plan, sampled))
             num_plans += 1
+            if num_plans in restart_after:
+                assert scheduler.recompute_all().num_discarded_steps == len(in_flight)
+                model, latest, cohorts = FakeKVModel(len(model.kv), model.block_size), {}, []
+                in_flight.clear()
         assert in_flight, "deadlock: unfinished requests but nothing schedulable or in flight"
         plan, sampled = in_flight.popleft()
         cohort = next(c for c in cohorts if c[0] == plan.step_id)
