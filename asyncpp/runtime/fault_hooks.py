@@ -16,11 +16,16 @@ FAULT_EXIT_ENV = "ASYNCPP_FAULT_STAGE_EXIT"
 FAULT_EXIT_CODE = 3
 
 
-def exit_if_faulted(pp_rank: int, environ: Mapping[str, str] = os.environ) -> None:
-    """Exit at once when `FAULT_EXIT_ENV` names this stage and its incarnation."""
+def is_faulted(pp_rank: int, environ: Mapping[str, str]) -> bool:
+    """Whether `FAULT_EXIT_ENV` in `environ` names stage `pp_rank` in its incarnation."""
     spec = environ.get(FAULT_EXIT_ENV)
     if not spec:
-        return
+        return False
     rank, _, first = spec.partition(":")
-    if int(rank) == pp_rank and int(environ.get(INCARNATION_ENV, "0")) >= int(first or "0"):
+    return int(rank) == pp_rank and int(environ.get(INCARNATION_ENV, "0")) >= int(first or "0")
+
+
+def exit_if_faulted(pp_rank: int, environ: Mapping[str, str] = os.environ) -> None:
+    """Exit at once when `FAULT_EXIT_ENV` names this stage and its incarnation."""
+    if is_faulted(pp_rank, environ):
         os._exit(FAULT_EXIT_CODE)

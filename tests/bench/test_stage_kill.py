@@ -50,3 +50,12 @@ def test_the_recovery_section_reads_the_first_token_after_the_kill_and_the_stats
         "num_failed_requests": 1,
     }
     assert recovery_section(records, 100.0, before, after)["kill_to_next_token_s"] is None
+
+
+def test_a_token_at_the_kill_itself_is_not_after_it_and_missing_stats_count_zero():
+    records = [RequestRecord(sent_at=0.0, ttft_s=2.0, itl_s=[1.5], e2e_s=3.5)]  # tokens at 2.0, 3.5
+    section = recovery_section(records, 2.0, {}, {})
+    assert section["kill_to_next_token_s"] == 1.5
+    assert section["stage_start_s"] == [] and section["stage_recovery_s"] == []
+    assert section["num_restarts"] == section["num_recomputed_requests"] == section["num_recomputed_tokens"] == 0
+    assert recovery_section(records, 2.0, {"stage_restarts": 2}, {"stage_restarts": 2})["num_restarts"] == 0

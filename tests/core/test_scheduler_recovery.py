@@ -106,3 +106,19 @@ def test_a_request_aborted_during_recovery_is_named_to_no_new_stage():
     plan = scheduler.schedule()
     assert [e.request_id for e in plan.scheduled] == ["b"] and plan.finished_req_ids == []
     assert scheduler._block_manager.num_free_blocks == NUM_BLOCKS - len(plan.scheduled[0].block_ids)
+
+
+def test_a_restart_resets_drafts_in_flight_and_counts_no_preemption_and_adds_up():
+    scheduler = _scheduler()
+    scheduler.add_request(make_request("a", list(range(1, 9)), max_tokens=8))
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, {"a": [5]})
+    a = scheduler.get_request("a")
+    a.draft_token_ids, a.num_draft_tokens = [6, 7], 2  # as a drafting request with drafts in flight
+    first = scheduler.recompute_all()
+    assert (a.draft_token_ids, a.num_draft_tokens, a.num_preemptions) == ([], 0, 0)
+    plan = scheduler.schedule()
+    scheduler.update_from_output(plan, {"a": [6]})
+    second = scheduler.recompute_all()
+    assert (first.num_tokens, second.num_tokens) == (8, 9) and a.num_preemptions == 0  # KV computed so far
+    assert (scheduler.num_recomputed_requests, scheduler.num_recomputed_tokens) == (2, 17)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from asyncpp.runtime.fault_hooks import FAULT_EXIT_CODE, FAULT_EXIT_ENV, INCARNATION_ENV, exit_if_faulted
+from asyncpp.runtime.fault_hooks import FAULT_EXIT_CODE, FAULT_EXIT_ENV, INCARNATION_ENV, exit_if_faulted, is_faulted
 from asyncpp.runtime.recovery import RestartBudget
 from asyncpp.runtime.spare_cpus import SpareCpus
 from asyncpp.wire.loop_socket import LoopSocket, SocketClosedError
@@ -44,6 +44,19 @@ def test_the_fault_hook_exits_only_the_stage_and_incarnations_it_names(spec, inc
 def test_without_the_fault_variable_nothing_happens():
     exit_if_faulted(0, {})
     exit_if_faulted(0, {INCARNATION_ENV: "3"})
+
+
+@pytest.mark.parametrize(
+    "spec,rank,incarnation,faulted",
+    [
+        ("1:1", 1, None, False),  # the first processes: incarnation 0
+        ("1:1", 1, "1", True), ("1:2", 1, "1", False), ("1:2", 1, "2", True), ("1:2", 1, "3", True),
+        ("1:0", 0, "0", False), ("2", 2, None, True), ("0:", 0, "0", True), (None, 0, "9", False),
+    ],
+)  # fmt: skip
+def test_is_faulted_reads_the_rank_and_the_first_incarnation(spec, rank, incarnation, faulted):
+    environ = {k: v for k, v in ((FAULT_EXIT_ENV, spec), (INCARNATION_ENV, incarnation)) if v is not None}
+    assert is_faulted(rank, environ) is faulted
 
 
 async def test_closing_a_socket_fails_a_send_waiting_on_it():
