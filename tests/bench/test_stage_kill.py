@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
 from asyncpp.bench.metrics import RequestRecord
 from asyncpp.bench.runs import parse_runs
-from asyncpp.bench.stage_kill import StageKill, recovery_section, token_times
+from asyncpp.bench.stage_kill import StageKill, kill_stage, recovery_section, token_times
 
 
 def test_a_run_names_the_stage_and_when():
@@ -59,3 +63,22 @@ def test_a_token_at_the_kill_itself_is_not_after_it_and_missing_stats_count_zero
     assert section["stage_start_s"] == [] and section["stage_recovery_s"] == []
     assert section["num_restarts"] == section["num_recomputed_requests"] == section["num_recomputed_tokens"] == 0
     assert recovery_section(records, 2.0, {"stage_restarts": 2}, {"stage_restarts": 2})["num_restarts"] == 0
+
+
+async def test_kill_stage_sigkills_the_named_stage_after_the_delay():
+    victims = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+
+        async def stats():
+            return {"stage_pids": [p.pid for p in victims]}
+
+        started = time.monotonic()
+        killed_at = await kill_stage(StageKill(1, 0.2), stats)
+        assert killed_at - started >= 0.2
+        assert victims[1].wait(timeout=10) == -9  # SIGKILL
+        assert victims[0].poll() is None
+    finally:
+        for p in victims:
+            p.kill()
+            p.wait()
+    assert StageKill.parse("1@0") == StageKill(1, 0.0)
