@@ -12,6 +12,7 @@ from __future__ import annotations
 from sched_helpers import make_request
 
 from asyncpp.core.scheduler import Scheduler
+from asyncpp.core.step_builder import StepBuilder
 from asyncpp.kv.block_manager import BlockManager
 
 
@@ -77,3 +78,14 @@ def test_without_async_scheduling_a_chunk_stays_with_its_plan() -> None:
     assert _entries(second) == [("p", 16, 16, False)]
     assert s.schedule(after_step_id=first.step_id, max_num_prefill_tokens=16) is None
     assert s.schedule(after_step_id=second.step_id, max_num_prefill_tokens=16) is None  # one plan ahead at most
+
+
+def test_several_floating_chunks_leave_the_cap_to_the_plans_own_requests():
+    step = StepBuilder(step_id=7, num_budget_tokens=100, max_num_reqs=1, num_prefill_budget=100)
+    for name in ("p", "q"):  # prompts whose earlier chunks are in flight
+        request = make_request(name, list(range(1, 41)))
+        request.num_computed_tokens, request.num_in_flight = 16, 1
+        step.add(request, 8, [0, 1, 2, 3, 4, 5])
+    assert step.num_floating == 2 and step.has_room
+    step.add(make_request("e", [3, 4]), 2, [6])  # the plan's own request: the cap is reached
+    assert step.num_floating == 2 and not step.has_room
