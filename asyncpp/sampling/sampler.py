@@ -91,17 +91,18 @@ class Sampler:
         if not random_rows:
             return argmax_rows(logits, self.isa)
         if len(random_rows) == len(states):
-            return self._sample_random(logits, states)
+            return self.sample_random(logits, states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         greedy_ids = self._index(greedy_rows)
         random_ids = self._index(random_rows)
         sampled = torch.empty(len(states), dtype=torch.int64, device=self.device)
         sampled[greedy_ids] = argmax_rows(logits[greedy_ids], self.isa)
-        sampled[random_ids] = self._sample_random(logits[random_ids], [states[i] for i in random_rows])
+        sampled[random_ids] = self.sample_random(logits[random_ids], [states[i] for i in random_rows])
         return sampled
 
-    def _sample_random(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
-        """`logits`: [n, vocab_size] rows of non-greedy requests; not written to."""
+    def sample_random(self, logits: torch.Tensor, states: Sequence[RequestSamplingState]) -> torch.Tensor:
+        """One token per row: `logits`, [n, vocab_size] float32, already penalized, rows of non-greedy
+        requests (not written to); `states[j]` row j's (a seeded row draws with its step seed)."""
         probs = self.filtered_probs(logits, states)
         # The race needs no renormalisation after the filters: argmax(c * probs / q) is argmax(probs / q).
         exponentials = self._draw_exponentials(states, probs.shape)

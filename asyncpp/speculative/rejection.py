@@ -122,14 +122,7 @@ class RejectionSampler:
     ) -> None:
         rows = [r for i in reqs for r in range(starts[i], starts[i + 1])]
         argmax = argmax_rows(penalized[self._index(rows)], self.sampler.isa).tolist()  # [len(rows)]
-        offset = 0
-        for i in reqs:
-            drafts, targets = draft_token_ids[i], argmax[offset : offset + 1 + len(draft_token_ids[i])]
-            offset += len(targets)
-            num_accepted = 0
-            while num_accepted < len(drafts) and targets[num_accepted] == drafts[num_accepted]:
-                num_accepted += 1
-            token_ids[i] = targets[: num_accepted + 1]
+        _accept(argmax, reqs, draft_token_ids, token_ids)
 
     def _verify_random(
         self,
@@ -142,34 +135,10 @@ class RejectionSampler:
     ) -> None:
         rows = [r for i in reqs for r in range(starts[i], starts[i + 1])]  # of all random requests, in order
         random_logits = penalized if len(rows) == penalized.shape[0] else penalized[self._index(rows)]
-        states = [row_states[r] for r in rows]
-        probs = self.sampler.filtered_probs(random_logits, states)  # [len(rows), vocab]
-        # Every row's token as `Sampler` draws it at that position (exponential race, a seeded row
-        # from its generator re-seeded with the row's step seed); a draft stands while it equals
-        # the token drawn before it.
-        targets = argmax_rows(probs.div_(self._exponentials(states, probs.shape)), self.sampler.isa).tolist()
-        offset = 0
-        for i in reqs:
-            drafts = draft_token_ids[i]
-            drawn = targets[offset : offset + 1 + len(drafts)]
-            offset += len(drawn)
-            num_accepted = 0
-            while num_accepted < len(drafts) and drawn[num_accepted] == drafts[num_accepted]:
-                num_accepted += 1
-            token_ids[i] = drawn[: num_accepted + 1]
-
-    def _exponentials(self, states: list[RequestSamplingState], shape: torch.Size) -> torch.Tensor:
-        """Exponential(1) draws as -log(u), exactly as `Sampler` draws them: [n, vocab_size]."""
-        device = self.sampler.device
-        uniforms = torch.empty(shape, dtype=torch.float32, device=device)
-        unseeded = [k for k, s in enumerate(states) if s.generator is None]
-        if unseeded:
-            uniforms[self._index(unseeded)] = torch.rand((len(unseeded), shape[1]), dtype=torch.float32, device=device)
-        for k, state in enumerate(states):
-            if state.generator is not None:
-                state.generator.manual_seed(state.step_seed())
-                uniforms[k].uniform_(generator=state.generator)
-        return uniforms.log_().neg_()
+        # Every row's token as `Sampler` draws it at that position (a seeded row from its generator
+        # re-seeded with the row's step seed).
+        drawn = self.sampler.sample_random(random_logits, [row_states[r] for r in rows]).tolist()
+        _accept(drawn, reqs, draft_token_ids, token_ids)
 
     def _logprobs(
         self,
@@ -206,6 +175,23 @@ class RejectionSampler:
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return torch.tensor(rows, dtype=torch.int64, device=self.sampler.device)
+
+
+def _accept(
+    drawn: list[int], reqs: list[int], draft_token_ids: Sequence[Sequence[int]], token_ids: list[list[int]]
+) -> None:
+    """`drawn`: the token drawn from each row of `reqs`, request after request (1 + its drafts rows).
+    Each request's output: its drafts while they equal the token drawn before them, then one more
+    drawn token (the first that differs from its draft, or the bonus row's)."""
+    offset = 0
+    for i in reqs:
+        drafts = draft_token_ids[i]
+        mine = drawn[offset : offset + 1 + len(drafts)]
+        offset += len(mine)
+        num_accepted = 0
+        while num_accepted < len(drafts) and mine[num_accepted] == drafts[num_accepted]:
+            num_accepted += 1
+        token_ids[i] = mine[: num_accepted + 1]
 
 
 def _row_states(
