@@ -110,6 +110,12 @@ class Request:
         return self.num_in_flight > 0
 
     @property
+    def is_floating(self) -> bool:
+        """In flight with known tokens still to compute (a prompt's next chunk): any plan may take
+        them (async scheduling), outside its cohort's request cap."""
+        return self.num_in_flight > 0 and self.num_computed_tokens < self.num_tokens
+
+    @property
     def is_only_void_in_flight(self) -> bool:
         """Its one plan in flight is a void continuation: it may be scheduled again meanwhile."""
         return self.num_in_flight == 1 and self.void_step_id is not None

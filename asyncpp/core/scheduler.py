@@ -20,8 +20,9 @@ Contract
   one it follows. A prompt's chunks need no token: any plan may take the
   next one, however many plans hold the earlier ones, and such a floating
   chunk does not count against `max_num_reqs` (so a cohort of decoding
-  requests still takes its share of a long prompt: cohorts stay even). A request finished by the token S samples computes one wasted
-  token in the next plan (never for `max_tokens`, known in advance).
+  requests still takes its share of a long prompt: cohorts stay even). A
+  request finished by the token S samples computes one wasted token in the
+  next plan (never for `max_tokens`, known in advance).
 * Scheduling advances `num_computed_tokens` at once (the stages are writing
   that KV); `update_from_output` only appends sampled tokens and runs the
   token-level stop checks. Plans may come back in any order; they are matched
@@ -72,9 +73,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from asyncpp.core.outputs import RequestUpdate, SchedulerStats
-from asyncpp.core.plan import NewRequestData, StepPlan
+from asyncpp.core.plan import StepPlan
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.core.request_queues import RequestQueues
+from asyncpp.core.scheduler_admission import AdmissionScheduling
 from asyncpp.core.scheduler_kv import KVTransferScheduling
 from asyncpp.core.scheduler_recovery import RecoveryScheduling
 from asyncpp.core.scheduler_spec import SpecDecodeScheduling
@@ -86,7 +88,7 @@ from asyncpp.kv_transfer.metadata import KVConnectorOutput
 from asyncpp.speculative.policy import DraftPolicy
 
 
-class Scheduler(KVTransferScheduling, SpecDecodeScheduling, RecoveryScheduling):
+class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling, RecoveryScheduling):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -246,10 +248,10 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling, RecoveryScheduling):
         i = 0
         while i < len(running) and step.num_budget_tokens > 0:
             request = running[i]
-            is_floating = request.is_in_flight and request.num_computed_tokens < request.num_tokens
-            if (request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id)) or (
-                not is_floating and not step.has_room
-            ):
+            is_blocked_in_flight = (
+                request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id)
+            )
+            if is_blocked_in_flight or not (request.is_floating or step.has_room):
                 i += 1
                 continue
             num_new_tokens = request.num_tokens - request.num_computed_tokens
@@ -408,92 +410,6 @@ class Scheduler(KVTransferScheduling, SpecDecodeScheduling, RecoveryScheduling):
             request.num_output_tokens + num_new < request.sampling_params.max_tokens
             and request.num_tokens + num_new < self.max_model_len
         )
-
-    def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> list[int] | None:
-        """Get blocks for a running request, preempting younger ones as needed: its block table (a copy),
-        or None if it must wait."""
-        while True:
-            block_ids = self._block_manager.allocate_slots(
-                request.request_id,
-                request.all_token_ids,
-                num_new_tokens,
-                request.num_computed_tokens,
-                num_lookahead_tokens=num_lookahead_tokens,
-            )
-            if block_ids is not None:
-                return block_ids
-            victim = self._queues.youngest_idle_running()
-            if victim is not None and victim is not request:
-                self._preempt(victim)
-                continue
-            # Every younger running request is in flight (or this one is, and cannot be preempted).
-            if self._queues.running[-1] is not request or request.is_in_flight:
-                return None  # stall; preempt one of them once it is back
-            self._preempt(request)
-            return None
-
-    def _admit_waiting(self, step: StepBuilder) -> None:
-        queues = self._queues
-        num_skipped = 0  # at the head of `waiting`: their KV is on its way for another request
-        while len(queues.waiting) > num_skipped and step.has_room and len(queues.running) < self.max_num_seqs:
-            if self._block_manager.num_free_blocks == 0 or step.num_prefill_budget == 0:
-                break  # a first allocation always needs a free block; skip the lookup (and its stats)
-            request = queues.waiting[num_skipped]
-            token_ids = request.all_token_ids
-            has_blocks = self._block_manager.has_blocks(request.request_id)  # back from a KV load
-            if has_blocks:
-                hit_block_ids, num_hit_tokens = [], request.num_computed_tokens
-            else:
-                hit_block_ids, num_hit_tokens = self._block_manager.get_computed_blocks(token_ids)
-                if self.connector is not None:
-                    is_loading = self._start_load(request, token_ids, hit_block_ids, num_hit_tokens)
-                    if is_loading is False and request.awaits_remote_tokens:
-                        is_loading = None  # never computed before its remote first token: wait
-                    if is_loading is None:  # its prefix is on its way for another request: it keeps
-                        num_skipped += 1  # its place and is asked again next step; the rest go on
-                        continue
-                    if is_loading:
-                        continue  # it left the queue to wait for its KV; the next one may go
-                    if self._block_manager.has_blocks(request.request_id):  # loaded within this plan
-                        has_blocks, hit_block_ids, num_hit_tokens = True, [], request.num_computed_tokens
-            num_new_tokens = len(token_ids) - num_hit_tokens
-            if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
-                break
-            num_new_tokens = min(num_new_tokens, step.num_budget_tokens, step.num_prefill_budget)
-            block_ids = self._block_manager.allocate_slots(
-                request.request_id, token_ids, num_new_tokens, num_hit_tokens, hit_block_ids
-            )
-            if block_ids is None:
-                break  # FCFS: nobody behind it may take the blocks it waits for
-            step.num_prefill_budget -= num_new_tokens
-            queues.admit(request)
-            if request.status is RequestStatus.WAITING and not has_blocks:  # first admission
-                request.num_cached_tokens = num_hit_tokens
-                if self.connector is not None:
-                    self.connector.update_state_after_alloc(request, block_ids, 0)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            step.new_requests.append(
-                NewRequestData(
-                    request_id=request.request_id,
-                    prompt_token_ids=list(request.prompt_token_ids),
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                )
-            )
-            self._runner_known_ids.add(request.request_id)
-            step.add(request, num_new_tokens, self._block_manager.block_ids(request.request_id))
-
-    def _preempt(self, request: Request) -> None:
-        """Recompute later: free its KV and put it back in the waiting queue by arrival order."""
-        assert not request.is_in_flight, "an in-flight request's KV is being written"
-        self._block_manager.free(request.request_id)
-        self._queues.requeue(request)
-        self._preempted_req_ids.append(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self._num_preemptions += 1
 
     def _release(self, request: Request) -> None:
         """Take a request that just got a finished status out of the queues and free its blocks.

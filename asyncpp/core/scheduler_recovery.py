@@ -4,7 +4,7 @@ Restarted stages hold no KV and know no request. So `recompute_all`:
 * forgets every plan in flight, never applying it: the tokens it sampled
   reached no client (a plan's tokens are delivered only once it is back);
 * puts every running request back in the waiting queue by arrival order,
-  through the preemption path, with the tokens it has delivered: its prompt
+  as a preemption does (`_requeue`), with the tokens it has delivered: its prompt
   and those tokens are then computed again as one prompt, and its next token
   is sampled where it left off. Greedy and seeded draws depend neither on the
   batch nor on how a prompt is chunked, nor on drafts (`RejectionSampler`),
@@ -58,11 +58,9 @@ class RecoveryScheduling:
                 self._forget(request)
         running = list(self._queues.running)
         num_tokens = sum(r.num_computed_tokens for r in running)
-        for request in running:  # each goes back by arrival order (`RequestQueues.requeue`)
-            self._preempt(request)
-            request.num_preemptions -= 1  # a restart, not a shortage of blocks
-            self._num_preemptions -= 1
-        self._preempted_req_ids = []
+        for request in running:  # by arrival order; a restart, not a preemption (no count, no stage told)
+            self._requeue(request)
+        self._preempted_req_ids = []  # the new stages never held the ones named before
         self._finished_req_ids = []
         self._runner_known_ids.clear()
         if not self._block_manager.reset_prefix_cache():

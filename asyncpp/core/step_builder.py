@@ -24,8 +24,7 @@ class StepBuilder:
     cohort: list[Request] = field(default_factory=list)  # parallel to `scheduled`
     new_requests: list[NewRequestData] = field(default_factory=list)
     has_placeholders: bool = False
-    # Prompt chunks of requests already in flight: they float between cohorts (async scheduling),
-    # so they do not count against this plan's `max_num_reqs`.
+    # Requests added while `is_floating`: they do not count against this plan's `max_num_reqs`.
     num_floating: int = 0
 
     @property
@@ -51,7 +50,7 @@ class StepBuilder:
         start = request.num_computed_tokens
         end = start + num_new_tokens
         num_drafts = len(draft_token_ids) if draft_token_ids else num_draft_placeholders
-        if request.is_in_flight and not num_placeholders and not num_drafts:
+        if request.is_floating:
             self.num_floating += 1
         if num_placeholders:
             token_ids = [PLACEHOLDER_TOKEN_ID] * (num_placeholders + num_draft_placeholders)
