@@ -129,7 +129,7 @@ class StepWindow:
         self._is_debug = is_debug_enabled(self.log)  # per-step debug events cost even when filtered out
         self.is_stopped = False  # the engine is dead: nothing more is dispatched
         self.is_paused = False  # the stages restart (`pause`): nothing is dispatched meanwhile
-        self._forgotten: set[int] = set()  # steps `pause` dropped: a late output of theirs is ignored
+        self._forgotten_through = -1  # `pause` dropped the steps in flight, none later than this one
         self.is_reading = False  # `output_loop` waits for the next output (and only there)
         self.num_steps = 0
         self.num_lent_steps = 0  # dispatched with lent threads
@@ -150,7 +150,7 @@ class StepWindow:
         """The stages are lost: dispatch nothing until `resume`, and forget the steps in flight
         (never completed; an output of theirs that still comes is dropped). Returns how many."""
         self.is_paused = True
-        self._forgotten.update(self.in_flight)
+        self._forgotten_through = self.last_dispatched_step_id  # every step before it was already complete
         num_steps = len(self.in_flight)
         self.in_flight.clear()
         self.cohorts.clear()
@@ -306,7 +306,7 @@ class StepWindow:
                 continue
             step = self.in_flight.get(out.step_id)
             if step is None:
-                if out.step_id not in self._forgotten:
+                if out.step_id > self._forgotten_through:  # a late output of a dropped step is expected
                     self.log.warning("unknown_step_output", step_id=out.step_id, pp_rank=out.pp_rank)
                 continue
             step.outputs[out.pp_rank] = out
