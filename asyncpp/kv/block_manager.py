@@ -296,6 +296,10 @@ class BlockManager:
                 self._free_queue.move_to_end(block_id, last=False)  # no hash: its content is worthless
         return unknown
 
+    def release_every_quarantine(self) -> None:
+        """Every read into a quarantined block has ended (its stage was killed): they all go free."""
+        self.release_quarantine([b for b, count in list(self._quarantined.items()) for _ in range(count)])
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use."""
         if self.num_free_blocks != self.num_blocks:

@@ -83,6 +83,12 @@ class KVOutputAggregator:
         self._recving.pop(request_id, None)
         self._failed_sending.discard(request_id)
 
+    def forget_all(self) -> None:
+        """The stages were restarted: the reports some sent will never be completed by the others."""
+        self._sending.clear()
+        self._recving.clear()
+        self._failed_sending.clear()
+
     def num_pending(self) -> int:
         """Requests reported by some stages but not all yet."""
         return len(self._sending) + len(self._recving)

@@ -197,6 +197,17 @@ class KVConnectorScheduler(ABC):
         """Reports that finish a request; None: one from every pipeline stage."""
         return None
 
+    # The engine restarts lost stages in place (`asyncpp.runtime.recovery`) only if its connector
+    # can forget the transfers that died with them (`forget_transfers`).
+    can_forget_transfers = False
+
+    def forget_transfers(self) -> None:
+        """Every stage was killed (to be started again): the transfers in flight ended with them and
+        will never be reported, and every request will be scheduled again from its first token. Forget
+        them: what they held is released, what they were writing is not trusted, and what outlives a
+        stage (a store's sealed records) stays offered."""
+        raise NotImplementedError(f"KV connector {type(self).__name__} cannot go on after a stage restart")
+
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVHandshakeMetadata]) -> None:
         """Every stage's handshake, keyed by `(pp_rank, tp_rank)`, once at start-up.
 

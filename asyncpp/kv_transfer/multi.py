@@ -77,6 +77,15 @@ class MultiScheduler(KVConnectorScheduler):
         for child in self.children:  # each ignores the requests it does not know
             child.update_connector_output(output)
 
+    @property
+    def can_forget_transfers(self) -> bool:  # type: ignore[override]
+        return all(child.can_forget_transfers for child in self.children)
+
+    def forget_transfers(self) -> None:
+        for child in self.children:
+            child.forget_transfers()
+        self._unsent_holders.clear()
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         holders, params = [], {}
         for index, child in enumerate(self.children):

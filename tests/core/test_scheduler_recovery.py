@@ -85,15 +85,6 @@ def test_a_request_finished_while_in_flight_is_forgotten_by_a_restart():
     assert scheduler.schedule() is None and plan.step_id not in scheduler._in_flight
 
 
-def test_with_a_kv_connector_recompute_all_is_refused():
-    scheduler = _scheduler()
-    assert scheduler.can_recompute_all
-    scheduler.connector = object()  # its transfers in flight could not be undone
-    assert not scheduler.can_recompute_all
-    with pytest.raises(RuntimeError, match="KV connector"):
-        scheduler.recompute_all()
-
-
 def test_a_request_aborted_during_recovery_is_named_to_no_new_stage():
     scheduler = _scheduler()
     scheduler.add_request(make_request("a", [1, 2, 3], max_tokens=8))

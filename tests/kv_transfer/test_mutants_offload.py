@@ -95,3 +95,60 @@ def test_the_scheduler_removes_the_shm_stores_its_stages_left_behind():
     assert len(shm_segments(f"asyncpp-{run_id}-")) == 2
     scheduler.close()
     assert shm_segments(f"asyncpp-{run_id}-") == []
+
+
+def test_forget_transfers_unpins_loads_frees_unsaved_slots_and_keeps_the_sealed_ones():
+    from asyncpp.kv_transfer.base import PlanInfo
+    from tests.core.sched_helpers import make_request
+
+    ctx = ConnectorContext(
+        name="offload", pp_size=2, layer_ranges=((0, 1), (1, 4)), block_size=16, num_kv_heads=2, head_dim=8,
+        dtype="float32", model_id="test", run_id="t", store="shm", store_size_mb=1,
+    )  # fmt: skip
+    scheduler = OffloadScheduler(ctx)
+    assert scheduler.can_forget_transfers
+    loading = make_request("loading", list(range(1, 50)))  # 3 full blocks before its last token
+    sealed = scheduler._hashes_of(loading)
+    scheduler.index.prepare_store(sealed)
+    scheduler.index.complete_store(sealed)
+    assert scheduler.get_num_new_matched_tokens(loading, 0) == (48, True)
+    scheduler.update_state_after_alloc(loading, [10, 11, 12, 13], 48)
+    other = make_request("other", list(range(1, 40)))  # the same first block: asked again later, meanwhile
+    assert scheduler.get_num_new_matched_tokens(other, 0) == (None, False)
+    saving = make_request("saving", list(range(100, 140)))
+    plan = PlanInfo(1, [(saving, 0, 40)], {"saving": [20, 21, 22]}, {"saving": [H[5], H[6]]})
+    assert len(scheduler.build_connector_meta(plan).saves) == 1
+    assert (scheduler.index.num_pinned, scheduler.index.num_pending, scheduler.index.num_ready) == (3, 2, 3)
+
+    scheduler.forget_transfers()
+
+    assert (scheduler.index.num_pinned, scheduler.index.num_pending, scheduler.index.num_ready) == (0, 0, 3)
+    assert not scheduler.has_unsent_metadata() and scheduler.request_finished(saving, []) == (False, None)
+    assert scheduler.get_num_new_matched_tokens(other, 0) == (32, True)  # no load in flight any more
+    assert scheduler.index.num_free_slots == scheduler.index.num_slots - 3  # the unsaved slots are free
+    meta = scheduler.build_connector_meta(plan)  # computed again from its first token: saved again
+    assert [t.block_hashes for t in meta.saves] == [[H[5], H[6]]] and meta.loads == []
+
+
+def test_a_restarted_stage_adopts_the_store_its_killed_predecessor_left():
+    lay = layout()
+    name = f"asyncpp-test-kvstore-{uuid.uuid4().hex[:8]}"
+    fresh = ShmBlockStore.create_or_adopt(name, lay)  # none there: made
+    payload = torch.randn(lay.payload_shape)
+    fresh.write(1, H[1], payload)
+    fresh.close()  # killed: closed, never unlinked
+    adopted = ShmBlockStore.create_or_adopt(name, lay)
+    out = torch.empty_like(payload)
+    assert adopted.read_into(1, H[1], out) is None and torch.equal(out, payload)
+    adopted.close()
+    adopted.unlink()  # its owner now: removes it
+    assert shm_segments(name) == []
+    ShmBlockStore(name, layout(num_slots=2), create=True).close()
+    try:
+        with pytest.raises(ValueError, match="holds"):
+            ShmBlockStore.create_or_adopt(name, lay)  # too small for this layout: refused, not overrun
+    finally:  # the refused attach left it unregistered here: removed as by a stranger
+        leftover = ShmBlockStore(name, layout(num_slots=2), create=False)
+        leftover.close()
+        leftover.unlink()
+    assert shm_segments(name) == []

@@ -138,6 +138,31 @@ class OffloadScheduler(KVConnectorScheduler):
             # unverifiable there: drop them rather than offer them to loads.
             self.index.complete_store(self._saving.pop(request_id, []), success=request_id not in output.failed_sending)
 
+    # ---- a stage restart -------------------------------------------------------------------
+    can_forget_transfers = True
+
+    def forget_transfers(self) -> None:
+        """The stages died with their transfers: loads unpin their slots; the slots of saves not
+        reported stored on every stage are freed (a record half written, or written by some stages
+        only, is never offered). READY blocks stay: the records are sealed in shared memory or files
+        that outlive a stage, and the new stages load them (each checks header and checksum)."""
+        for load in self._loads.values():
+            self.index.unpin(load.block_hashes)
+        num_unsaved = 0
+        for hashes in self._saving.values():
+            num_unsaved += len(hashes)
+            self.index.complete_store(hashes, success=False)
+        self.log.info(
+            "kv_store_transfers_forgotten", num_loads=len(self._loads), num_unsaved_blocks=num_unsaved,
+            num_ready_blocks=self.index.num_ready,
+        )  # fmt: skip
+        self._loads.clear()
+        self._loading.clear()
+        self._unsent_loads.clear()
+        self._saving.clear()
+        self._num_saved_blocks.clear()  # every request computes its blocks again, and may save them
+        self._invalid_block_ids.clear()
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._prompt_hashes.pop(request_id, None)

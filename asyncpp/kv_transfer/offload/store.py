@@ -254,6 +254,19 @@ class ShmBlockStore(BlockStore):
             template = template.ljust(HEADER_NBYTES, b"\0")
             self._kernel = kernel.shm_records(self._records, template, _HASH_AT, _CRC_AT, self._noted_crcs)
 
+    @classmethod
+    def create_or_adopt(cls, name: str, layout: StoreLayout) -> ShmBlockStore:
+        """A new segment, or the one a killed stage of this engine left (a restarted stage goes on with
+        its records: the engine's index still offers the sealed ones). Either way this store owns it
+        and removes it when closed for good (`unlink`)."""
+        try:
+            return cls(name, layout, create=True)
+        except FileExistsError:
+            store = cls(name, layout, create=False)
+        resource_tracker.register(store._shm._name, "shared_memory")  # type: ignore[attr-defined]
+        store._is_owner = True
+        return store
+
     def _write(self, slot: int, header: bytes, data: np.ndarray) -> None:
         record = self._records[slot]
         self._noted_crcs[slot] = -1
