@@ -103,17 +103,23 @@ class StageGroup:
             q.close()
         self.plan_queues = [AsyncPushQueue(self.addresses.plan(a.pp_rank), bind=True) for a in self.stage_args]
 
-    async def start_again(self, timeout_s: float) -> None:
+    async def start_again(self, timeout_s: float) -> dict[tuple[int, int], KVHandshakeMetadata] | None:
         """The second half: new processes with the same `StageArgs` (layers, device, transport,
         CPUs), taken through start-up again: ready-acks, the `StageStart` the first ones got,
-        handshakes. Raises like `wait_ready` when a new stage dies or is late."""
+        handshakes (returned; None if the first stages were never started). Raises like
+        `wait_ready` when a new stage dies or is late."""
         self.incarnation += 1
-        self.procs = self._new_procs()
+        await self._new_stages()
         self.start()
         await self.wait_ready(timeout_s)
-        if self._started_with is not None:
-            await self.start_stages(*self._started_with)
-            await self.wait_handshakes(timeout_s)
+        if self._started_with is None:
+            return None
+        await self.start_stages(*self._started_with)
+        return await self.wait_handshakes(timeout_s)
+
+    async def _new_stages(self) -> None:
+        """The processes a restart starts (not started yet)."""
+        self.procs = self._new_procs()
 
     def dead_stages(self) -> list[int]:
         return [rank for rank, p in enumerate(self.procs) if p.exitcode is not None]

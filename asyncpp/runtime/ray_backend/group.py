@@ -12,6 +12,13 @@ memory, CUDA IPC) when they share one. `start` hands each actor its
 ones. A stage's `run` call ending, normally or not (the actor killed, its
 node gone), is a stage exit (`wait_for_death`). Whatever happens, `reap`
 kills the actors and removes the placement group.
+
+A restart (`asyncpp.runtime.recovery`): `kill_all` kills every actor and
+closes the plan queues; `start_again` starts new actors in the same bundles
+(Ray moves a lost node's bundle to a node with room, and the new actor waits
+for it), binds new plan queues and inputs, and chooses the transports again
+from where the actors landed. The placement group, the token and the
+engine's output queue stay.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import dataclasses
 import os
 import shutil
 import time
-from multiprocessing import shared_memory
 
 from asyncpp.config import ConfigError, ParallelConfig
 from asyncpp.kernels.isa import torch_isa_env
@@ -31,7 +37,8 @@ from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.ray_backend.actor import remote_stage_actor
 from asyncpp.runtime.ray_backend.addresses import TcpAddresses, new_token, tcp
 from asyncpp.runtime.ray_backend.placement import Placement, connect, import_ray, reserve
-from asyncpp.runtime.stage_group import StageGroup, openmp_env
+from asyncpp.runtime.fault_hooks import INCARNATION_ENV
+from asyncpp.runtime.stage_group import StageDiedError, StageGroup, openmp_env
 from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.transport import transport_for
 from asyncpp.wire.queues import AsyncPullQueue, AsyncPushQueue
@@ -56,6 +63,12 @@ def stage_env(args: StageArgs, environ) -> dict[str, str]:
     return env | {k: v for k, v in environ.items() if k.startswith("UCX_")}
 
 
+def actor_name(run_id: str, rank: int, incarnation: int = 0) -> str:
+    """A stage actor's name in the cluster; a restart's actors get new ones (a killed actor's name may
+    stay taken a while)."""
+    return f"asyncpp-{run_id}-stage{rank}" + (f"-r{incarnation}" if incarnation else "")
+
+
 def pair_transport(node_ids: list[str], devices: list[str], rank: int) -> str:
     """The transport into stage `rank` (> 0): NIXL across nodes, the device's local one within a node."""
     return REMOTE_TRANSPORT if node_ids[rank] != node_ids[rank - 1] else transport_for(devices[rank])
@@ -68,54 +81,62 @@ class RayStageGroup(StageGroup):
         self.readies = []
         self.addresses = addresses
         self.plan_queues, self.outputs, self.procs = [], None, []
+        self.incarnation = 0
+        self._started_with = None
         self._started_at, self.start_s = time.monotonic(), []
         self._log = get_logger(role="launch")
         self._placement: Placement | None = None
         self._actors: list = []
         self._runs: list = []  # concurrent futures of the actors' `run` calls
         self._ray = None
+        self._first_args = stage_args  # before the actors' addresses and transports
+        self._placement_name = parallel.placement
         try:
-            self._place(stage_args, addresses, parallel)
+            connect(parallel.ray_address)
+            ray = self._ray = import_ray()
+            devices = [a.device for a in stage_args]
+            self._placement = reserve(devices, parallel.num_threads, parallel.placement, f"asyncpp-{addresses.run_id}")
+            # Every control socket is bound on port 0 before its address is known, token first: no port
+            # is picked free and bound later, when another local user could have taken it.
+            self._token = new_token()
+            self._engine_ip = ray.util.get_node_ip_address()
+            self.outputs = AsyncPullQueue(tcp(self._engine_ip, 0), bind=True, token=self._token)
+            self._place()
         except BaseException:
             self.reap()
             raise
 
-    def _place(self, stage_args: list[StageArgs], addresses: RunAddresses, parallel: ParallelConfig) -> None:
-        connect(parallel.ray_address)
-        ray = self._ray = import_ray()
-        devices = [a.device for a in stage_args]
-        self._placement = reserve(devices, parallel.num_threads, parallel.placement, f"asyncpp-{addresses.run_id}")
+    def _place(self) -> None:
+        """Start an actor per stage in its bundle, bind the plan queues and the actors' inputs, then
+        build the run's addresses and each stage's args (transports from where the actors landed)."""
+        ray, token = self._ray, self._token
+        run_id = self.addresses.run_id
         actor_cls = remote_stage_actor()
-        for rank, args in enumerate(stage_args):
+        for rank, args in enumerate(self._first_args):
             bundle = self._placement.bundles[rank]
+            env = stage_env(args, os.environ) | {INCARNATION_ENV: str(self.incarnation)}
             self._actors.append(
                 actor_cls.options(
-                    name=f"asyncpp-{addresses.run_id}-stage{rank}",
+                    name=actor_name(run_id, rank, self.incarnation),
                     num_cpus=bundle["CPU"],
                     num_gpus=bundle.get("GPU", 0.0),
                     scheduling_strategy=self._placement.strategy(rank),
-                    runtime_env={"env_vars": stage_env(args, os.environ)},
+                    runtime_env={"env_vars": env},
                 ).remote()
             )
-        # Every control socket is bound on port 0 before its address is known, token first: no port
-        # is picked free and bound later, when another local user could have taken it.
-        token = new_token()
-        engine_ip = ray.util.get_node_ip_address()
-        self.plan_queues = [AsyncPushQueue(tcp(engine_ip, 0), bind=True, token=token) for _ in range(self.pp_size)]
-        self.outputs = AsyncPullQueue(tcp(engine_ip, 0), bind=True, token=token)
+        self.plan_queues = [AsyncPushQueue(tcp(self._engine_ip, 0), bind=True, token=token) for _ in range(self.pp_size)]
         try:
             wheres = ray.get([a.where.remote() for a in self._actors], timeout=ACTOR_START_TIMEOUT_S)
             inputs = ray.get(
-                [a.bind_inputs.remote(args, token) for a, args in zip(self._actors, stage_args)],
+                [a.bind_inputs.remote(args, token) for a, args in zip(self._actors, self._first_args)],
                 timeout=ACTOR_START_TIMEOUT_S,
             )
         except Exception as e:  # noqa: BLE001 - an actor that cannot start (runtime env, import) stops the run
             raise ConfigError(f"parallel.backend = 'ray': the stage actors did not start: {e}") from e
         self.procs = [ActorStage(pid, node_id, ip) for node_id, ip, pid in wheres]
-        node_ips = [s.node_ip for s in self.procs]
         self.addresses = TcpAddresses(
-            run_id=addresses.run_id,
-            run_dir=addresses.run_dir,
+            run_id=run_id,
+            run_dir=self.addresses.run_dir,
             token=token,
             plan_addrs=tuple(q.address for q in self.plan_queues),
             outputs_addr=self.outputs.address,
@@ -124,6 +145,7 @@ class RayStageGroup(StageGroup):
             sampled_addr=inputs[0][1],
         )
         node_ids = [s.node_id for s in self.procs]
+        devices = [a.device for a in self._first_args]
         self.stage_args = [
             dataclasses.replace(
                 args,
@@ -131,19 +153,20 @@ class RayStageGroup(StageGroup):
                 cpus=(),  # the launcher's CPU ids mean nothing on another host
                 transport=pair_transport(node_ids, devices, rank) if rank > 0 else args.transport,
             )
-            for rank, args in enumerate(stage_args)
+            for rank, args in enumerate(self._first_args)
         ]
         self._log.info(
             "ray_stages_placed",
-            node_ids=[s.node_id for s in self.procs],
-            node_ips=node_ips,
+            node_ids=node_ids,
+            node_ips=[s.node_ip for s in self.procs],
             plan_addrs=self.addresses.plan_addrs,
             outputs_addr=self.addresses.stage_outputs,
             activation_addrs=self.addresses.activation_addrs[1:],
             sampled_addr=self.addresses.sampled_tokens,
             transports=[a.transport for a in self.stage_args[1:]],
-            placement=parallel.placement,
-            engine_ip=engine_ip,
+            placement=self._placement_name,
+            engine_ip=self._engine_ip,
+            incarnation=self.incarnation,
         )
 
     def start(self) -> None:
@@ -152,7 +175,30 @@ class RayStageGroup(StageGroup):
 
     @property
     def supports_restart(self) -> bool:
-        return False  # not yet: a lost actor (or node) still stops the engine
+        return True
+
+    async def kill_all(self, timeout_s: float = 5.0) -> None:
+        """Kill every actor and wait for its `run` call to end; unlink the rings left on this host; close
+        the plan queues (a send still waiting on one fails with `StagesRestartedError`)."""
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                self._ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while not all(run.done() for run in self._runs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        self._actors, self._runs = [], []
+        self._unlink_rings()
+        old_queues, self.plan_queues = self.plan_queues, []
+        for q in old_queues:
+            q.close()
+
+    async def _new_stages(self) -> None:
+        """New actors in the same bundles, their queues bound, not run yet; `StageDiedError` if they
+        do not start (the supervisor counts it as a failed restart)."""
+        try:
+            await asyncio.to_thread(self._place)
+        except ConfigError as e:
+            raise StageDiedError(str(e)) from e
 
     def dead_stages(self) -> list[int]:
         return [rank for rank, run in enumerate(self._runs) if run.done()]
@@ -199,11 +245,7 @@ class RayStageGroup(StageGroup):
             with contextlib.suppress(Exception):
                 self._placement.remove()
             self._placement = None
-        for name in self.addresses.ring_names(self.pp_size):  # a killed stage on this host leaves its ring
-            with contextlib.suppress(FileNotFoundError):
-                seg = shared_memory.SharedMemory(name=name)
-                seg.close()
-                seg.unlink()
+        self._unlink_rings()  # a killed stage on this host leaves its ring
         for q in [*self.plan_queues, self.outputs]:
             if q is not None:
                 q.close()

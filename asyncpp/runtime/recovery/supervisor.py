@@ -19,8 +19,8 @@ structured event per phase:
 A new stage that dies or is late during start-up counts as another restart.
 Restarts are bounded by a `RestartBudget` (`parallel.max_stage_restarts` within
 `parallel.restart_window_s`); past it, or where a restart cannot keep its
-promise (a KV connector's transfers in flight cannot be undone; the Ray
-backend does not restart actors yet), `on_dead` fails every request and stops
+promise (a KV connector that cannot forget the transfers in flight, such as
+prefill/decode disaggregation's; the Ray backend does not restart actors yet), `on_dead` fails every request and stops
 the engine, as without restarts.
 """
 
@@ -32,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from asyncpp.engine.startup import set_stage_handshakes
 from asyncpp.logging import get_logger
 from asyncpp.runtime.recovery.budget import RestartBudget
 from asyncpp.runtime.stage_group import StageDiedError, StageGroup
@@ -94,7 +95,7 @@ class PipelineSupervisor:
         if not self.stages.supports_restart:
             return "this backend does not restart stages"
         if not self.core.scheduler.can_recompute_all:
-            return "a KV connector's transfers cannot be undone"
+            return "its KV connector cannot forget the transfers that die with the stages"
         if self.budget.max_restarts == 0:
             return "restarts are off (parallel.max_stage_restarts = 0)"
         if not self.budget.take(now):
@@ -127,7 +128,9 @@ class PipelineSupervisor:
             self.num_restarts += 1
             t_start = time.monotonic()
             try:
-                await self.stages.start_again(self.start_timeout_s)
+                handshakes = await self.stages.start_again(self.start_timeout_s)
+                if handshakes is not None and scheduler.connector is not None:
+                    set_stage_handshakes(scheduler.connector, handshakes)  # the new stages' KV memory
                 break
             except (StageDiedError, TimeoutError) as e:
                 self.log.error("stage_restart_failed", error=str(e), restart=self.num_restarts)

@@ -1,5 +1,6 @@
-"""A stage actor killed, or its simulated node removed, mid-run: every stream ends with EngineDeadError
-within 2 s, the launcher exits, and the placement group is gone."""
+"""A stage actor killed, or its simulated node removed, mid-run, with restarts off: every stream ends with
+EngineDeadError within 2 s, the launcher exits, and the placement group is gone (restarts:
+`test_ray_restart.py`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _remove_node(cluster, run_id: str, placed: dict) -> None:
 
 @pytest.mark.parametrize("fault", [_kill_actor, _remove_node], ids=["actor_killed", "node_removed"])
 async def test_a_lost_stage_fails_every_request_fast(tmp_path, tiny_hf_dir, ray_cluster, fault):
-    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), **ray_sections(ray_cluster))
+    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), **ray_sections(ray_cluster, max_stage_restarts=0))
     prompts = [p[:40] for p in tiny_prompts(320, 6)]
     try:
         with launched(tmp_path, sections) as engine:
