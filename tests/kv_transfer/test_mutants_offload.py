@@ -4,6 +4,7 @@ mutation-test survivors in `kv_transfer/offload/` (index, store, scheduler)."""
 
 from __future__ import annotations
 
+import types
 import uuid
 
 import pytest
@@ -115,19 +116,25 @@ def test_forget_transfers_unpins_loads_frees_unsaved_slots_and_keeps_the_sealed_
     scheduler.update_state_after_alloc(loading, [10, 11, 12, 13], 48)
     other = make_request("other", list(range(1, 40)))  # the same first block: asked again later, meanwhile
     assert scheduler.get_num_new_matched_tokens(other, 0) == (None, False)
-    saving = make_request("saving", list(range(100, 140)))
-    plan = PlanInfo(1, [(saving, 0, 40)], {"saving": [20, 21, 22]}, {"saving": [H[5], H[6]]})
-    assert len(scheduler.build_connector_meta(plan).saves) == 1
-    assert (scheduler.index.num_pinned, scheduler.index.num_pending, scheduler.index.num_ready) == (3, 2, 3)
+    saving, one = make_request("saving", list(range(100, 140))), make_request("one", list(range(200, 217)))
+    plan = PlanInfo(
+        1, [(saving, 0, 40), (one, 0, 17)], {"saving": [20, 21, 22], "one": [30, 31]},
+        {"saving": [H[5], H[6]], "one": [H[7]]},
+    )  # fmt: skip
+    assert len(scheduler.build_connector_meta(plan).saves) == 2
+    assert (scheduler.index.num_pinned, scheduler.index.num_pending, scheduler.index.num_ready) == (3, 3, 3)
 
+    logged = []
+    scheduler.log = types.SimpleNamespace(info=lambda event, **fields: logged.append((event, fields)))
     scheduler.forget_transfers()
 
+    assert logged == [("kv_store_transfers_forgotten", {"num_loads": 1, "num_unsaved_blocks": 3, "num_ready_blocks": 3})]
     assert (scheduler.index.num_pinned, scheduler.index.num_pending, scheduler.index.num_ready) == (0, 0, 3)
     assert not scheduler.has_unsent_metadata() and scheduler.request_finished(saving, []) == (False, None)
     assert scheduler.get_num_new_matched_tokens(other, 0) == (32, True)  # no load in flight any more
     assert scheduler.index.num_free_slots == scheduler.index.num_slots - 3  # the unsaved slots are free
     meta = scheduler.build_connector_meta(plan)  # computed again from its first token: saved again
-    assert [t.block_hashes for t in meta.saves] == [[H[5], H[6]]] and meta.loads == []
+    assert [t.block_hashes for t in meta.saves] == [[H[5], H[6]], [H[7]]] and meta.loads == []
 
 
 def test_a_restarted_stage_adopts_the_store_its_killed_predecessor_left():
