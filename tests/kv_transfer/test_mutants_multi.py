@@ -62,3 +62,21 @@ def test_loads_carry_the_index_of_the_child_that_owns_them():
 def test_the_name_none_cannot_be_registered():
     with pytest.raises(ValueError, match="reserved"):
         register_connector("none", KVConnectorScheduler, KVConnectorWorker)
+
+
+def test_a_restart_is_allowed_only_if_every_child_can_forget_and_each_is_told():
+    multi = multi_whose_second_child_offers()
+    assert not multi.can_forget_transfers  # the recording connector cannot
+    first, second = multi.children
+    told = []
+    for child in multi.children:
+        child.can_forget_transfers = True
+        child.forget_transfers = lambda child=child: told.append(child)
+    assert multi.can_forget_transfers
+    multi._unsent_holders["r"] = [1]
+    multi.forget_transfers()
+    assert told == [first, second] and multi._unsent_holders == {}
+    first.can_forget_transfers = False
+    assert not multi.can_forget_transfers
+    with pytest.raises(NotImplementedError, match="cannot go on after a stage restart"):
+        KVConnectorScheduler.forget_transfers(first)
