@@ -83,7 +83,7 @@ class OffloadWorker(KVConnectorWorker):
         super().__init__(ctx, pp_rank)
         self.layout = stage_layouts(ctx)[pp_rank]
         self.store: BlockStore = (
-            ShmBlockStore(shm_name(ctx, pp_rank), self.layout, create=True)
+            ShmBlockStore.create_or_adopt(shm_name(ctx, pp_rank), self.layout)
             if ctx.store == "shm"
             else DirBlockStore(stage_dir(ctx, pp_rank), self.layout)
         )
