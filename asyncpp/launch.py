@@ -237,6 +237,23 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         log.info("engine_stopped")
 
 
+def launch_namespace(config_path: str, log_format: str = "console", log_level: str = "info",
+                     log_file: str | None = None) -> argparse.Namespace:  # fmt: skip
+    """What `run` reads of the command line, for a caller with a config of its own (`asyncpp serve`)."""
+    return parse_args(["--config", config_path, "--log-format", log_format, "--log-level", log_level]
+                      + (["--log-file", log_file] if log_file else []))  # fmt: skip
+
+
+def serve(config: EngineConfig, ns: argparse.Namespace) -> int:
+    """Log as `ns` says and serve `config` until stopped: the exit code (2: a bad setting found at start-up)."""
+    configure_logging(ns.log_format, ns.log_level, ns.log_file)
+    try:
+        return uvloop.run(run(config, ns))
+    except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store, its handshakes)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.log_level is None:
@@ -251,11 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        return uvloop.run(run(config, ns))
-    except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store, its handshakes)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return serve(config, ns)
 
 
 if __name__ == "__main__":

