@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ _LINEAR_KERNELS = ("auto", "onednn")
 _CPU_ISAS = ("auto", *ISA_LEVELS)
 _WEIGHT_FORMATS = ("auto", "float", "native")
 _BACKENDS = ("local", "ray")
+AUTO_SHIFT_LAYERS = 4  # parallel.shift_layers = -1: what evened out the default pp=2 SmolLM2 stages best
 _PLACEMENTS = ("spread", "pack")
 
 
@@ -112,7 +112,8 @@ class ParallelConfig:
     # step's stage times come out even (the last stage's lm_head weighs on decode steps, the
     # earlier stages' layers on prompt chunks). Both neighbours hold the layers in between,
     # with one shared KV cache. 0 = the fixed split; also 0, with a warning at start-up, on
-    # GPU stages and with a KV connector (`EngineConfig.shift_layers`).
+    # GPU stages and with a KV connector (`EngineConfig.shift_layers`). -1 = auto: AUTO_SHIFT_LAYERS
+    # where it applies (CPU stages run locally, no KV connector), else 0 (said at start-up).
     shift_layers: int = 0
     # Where the stages run: "local" (child processes of the launcher) or "ray" (one Ray actor
     # per stage, placed by a placement group on a running Ray cluster: `asyncpp.runtime.ray_backend`).
@@ -137,8 +138,8 @@ class ParallelConfig:
             raise ConfigError(f"parallel.placement must be one of {_PLACEMENTS}, got {self.placement!r}")
         if not self.ray_address:
             raise ConfigError("parallel.ray_address must not be empty ('auto' finds the local cluster)")
-        if self.backend == "ray" and self.shift_layers:  # neighbours share a KV cache in shared memory
-            raise ConfigError("parallel.shift_layers must be 0 with parallel.backend = 'ray'")
+        if self.backend == "ray" and self.shift_layers > 0:  # neighbours share a KV cache in shared memory
+            raise ConfigError("parallel.shift_layers must be 0 (or -1, auto) with parallel.backend = 'ray'")
         if self.devices and len(self.devices) != self.pp_size:
             raise ConfigError(f"parallel.devices has {len(self.devices)} entries but parallel.pp_size is {self.pp_size}")
         for d in self.devices:
@@ -164,8 +165,8 @@ class ParallelConfig:
             )
         for n in self.layer_split:
             _positive("parallel.layer_split entries", n)
-        if self.shift_layers < 0:
-            raise ConfigError(f"parallel.shift_layers must be >= 0, got {self.shift_layers}")
+        if self.shift_layers < -1:
+            raise ConfigError(f"parallel.shift_layers must be >= 0 (or -1, auto), got {self.shift_layers}")
 
     @property
     def steps_in_flight(self) -> int:
@@ -403,6 +404,8 @@ class EngineConfig:
             return "GPU stages: each stage's KV cache is on its own device"
         if self.kv_transfer.is_enabled:
             return "a KV connector: it places each layer's blocks on one stage"
+        if self.parallel.backend == "ray":  # only auto gets here: a value set is refused
+            return "the Ray backend: stages on other hosts share no KV cache"
         return None
 
     @property
@@ -410,7 +413,7 @@ class EngineConfig:
         """`parallel.shift_layers` where it applies (CPU pipelines, no KV connector), else 0."""
         if self.parallel.pp_size == 1 or self.shift_layers_off_reason:
             return 0
-        return self.parallel.shift_layers
+        return AUTO_SHIFT_LAYERS if self.parallel.shift_layers == -1 else self.parallel.shift_layers
 
     @property
     def stage_devices(self) -> tuple[str, ...]:
@@ -426,12 +429,10 @@ class EngineConfig:
         return dataclasses.replace(self, **updated)
 
 
-def with_http_overrides(
-    config: EngineConfig, http_host: str | None = None, http_port: int | None = None, api_key: str | None = None
-) -> EngineConfig:
+def with_http_overrides(config: EngineConfig, http_host: str | None = None, http_port: int | None = None,
+                        api_key: str | None = None) -> EngineConfig:  # fmt: skip
     """`config` with the HTTP server settings given on a command line (None: keep the file's)."""
-    given = {"http_host": http_host, "http_port": http_port, "api_key": api_key}
-    server = {k: v for k, v in given.items() if v is not None}
+    server = {k: v for k, v in {"http_host": http_host, "http_port": http_port, "api_key": api_key}.items() if v is not None}
     return config.replace(server=server) if server else config
 
 
@@ -478,8 +479,6 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"config key {key} must be a table, got {type(value).__name__}")
         return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"config key {key}: union types are not supported")  # pragma: no cover
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):

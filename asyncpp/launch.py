@@ -27,7 +27,13 @@ from asyncpp.device import check_devices, is_cuda
 from asyncpp.disagg.config import is_disagg_config
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCore
-from asyncpp.engine.startup import EngineCapacity, kv_connector_context, resolve_capacity, set_stage_handshakes
+from asyncpp.engine.startup import (
+    EngineCapacity,
+    kv_connector_context,
+    log_shift_layers,
+    resolve_capacity,
+    set_stage_handshakes,
+)
 from asyncpp.engine.layer_balance import LayerBalancer
 from asyncpp.front_ends import (
     bind_client_port,
@@ -144,8 +150,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
     plan = resolve_compute_plan(config.model, config.stage_devices)  # so is an ISA level it lacks
     log.info("compute_plan", **plan.describe())
-    if config.shift_layers_off_reason:
-        log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=config.shift_layers_off_reason)
+    log_shift_layers(config, log)
     arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch, plan.dtype)
     # Both ports before the model loads: one in use is exit 2 naming its key, not a traceback later.

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from asyncpp.config import ConfigError, EngineConfig, config_from_dict, load_config
+from asyncpp.config import AUTO_SHIFT_LAYERS, ConfigError, EngineConfig, config_from_dict, load_config
 from asyncpp.disagg.config import is_disagg_config, load_disagg_config
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIGS / "default.toml"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.toml")))
@@ -65,7 +67,7 @@ def test_config_is_frozen():
         ({"parallel": {"max_steps_in_flight": -1}}, "parallel.max_steps_in_flight must be"),
         ({"parallel": {"stage_nice": 20}}, "parallel.stage_nice must be in 0..19"),
         ({"parallel": {"stage_nice": -1}}, "parallel.stage_nice must be in 0..19"),
-        ({"parallel": {"shift_layers": -1}}, "parallel.shift_layers must be >= 0"),
+        ({"parallel": {"shift_layers": -2}}, "parallel.shift_layers must be >= 0 (or -1, auto)"),
         ({"parallel": {"step_timeout_s": 0}}, "parallel.step_timeout_s must be a positive number of seconds"),
         ({"parallel": {"step_timeout_s": -1.5}}, "parallel.step_timeout_s must be a positive number of seconds"),
         ({"parallel": {"step_timeout_s": float("inf")}}, "parallel.step_timeout_s must be a positive number"),
@@ -109,3 +111,26 @@ def test_shift_layers_apply_to_cpu_pipelines_without_a_connector():
     assert offload.shift_layers == 0 and "KV connector" in offload.shift_layers_off_reason
     gpu = config_from_dict({"model": {"device": "cuda"}, "parallel": {"pp_size": 2, "shift_layers": 3}})
     assert gpu.shift_layers == 0 and "GPU" in gpu.shift_layers_off_reason
+
+
+def test_auto_shift_layers_takes_what_the_deployment_allows_and_a_value_set_is_refused_under_ray():
+    auto = {"pp_size": 2, "shift_layers": -1}
+    local = config_from_dict({"parallel": auto})
+    assert local.shift_layers == AUTO_SHIFT_LAYERS == 4 and local.shift_layers_off_reason is None
+    assert config_from_dict({"parallel": {"shift_layers": -1}}).shift_layers == 0  # one stage
+    ray = config_from_dict({"parallel": {**auto, "backend": "ray"}})
+    assert ray.shift_layers == 0 and "Ray" in ray.shift_layers_off_reason
+    offload = config_from_dict({"parallel": auto, "kv_transfer": {"connector": "offload"}})
+    assert offload.shift_layers == 0 and "KV connector" in offload.shift_layers_off_reason
+    gpu = config_from_dict({"model": {"device": "cuda"}, "parallel": auto})
+    assert gpu.shift_layers == 0 and "GPU" in gpu.shift_layers_off_reason
+    with pytest.raises(ConfigError, match=r"parallel.shift_layers must be 0 \(or -1, auto\) with parallel.backend = 'ray'"):
+        config_from_dict({"parallel": {"pp_size": 2, "shift_layers": 4, "backend": "ray"}})
+
+
+def test_the_default_deployment_with_only_the_ray_backend_set_is_a_valid_config():
+    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
+    sections["parallel"]["backend"] = "ray"
+    config = config_from_dict(sections)
+    assert config.parallel.shift_layers == -1 and config.shift_layers == 0
+    assert config_from_dict(tomllib.loads(DEFAULT_CONFIG.read_text())).shift_layers == AUTO_SHIFT_LAYERS

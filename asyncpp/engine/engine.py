@@ -29,6 +29,7 @@ from asyncpp.engine.startup import (
     EngineCapacity,
     draft_policy,
     kv_connector_context,
+    log_shift_layers,
     resolve_capacity,
     set_stage_handshakes,
 )
@@ -296,8 +297,7 @@ class Engine(EngineCore):
         super().__init__(config, arch, tokenizer, capacity, create_scheduler_connector(kv_ctx, kv_module))
         self.compute_plan = plan
         self._log_compute_plan(plan)
-        if config.shift_layers_off_reason:
-            self.log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=config.shift_layers_off_reason)
+        log_shift_layers(config, self.log)
         dtype = torch_dtype(plan.dtype)
         runners = []
         self.weight_bytes_per_stage: list[int] = []  # resident weight bytes of each stage's slice

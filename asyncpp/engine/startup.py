@@ -104,3 +104,13 @@ def set_stage_handshakes(
         connector.set_xfer_handshake_metadata_pp_aware(handshakes)
     except ValueError as e:
         raise ConfigError(f"kv_transfer.connector: {e}") from e
+
+
+def log_shift_layers(config: EngineConfig, log) -> None:
+    """Say what `parallel.shift_layers` comes to: a value set that does not apply is a warning; auto
+    (-1) says what it chose and why."""
+    reason = config.shift_layers_off_reason
+    if config.parallel.shift_layers == -1 and config.parallel.pp_size > 1:
+        log.info("shift_layers_auto", shift_layers=config.shift_layers, reason=reason or "CPU stages run locally")
+    elif reason:
+        log.warning("shift_layers_off", shift_layers=config.parallel.shift_layers, reason=reason)

@@ -1,16 +1,22 @@
-"""The real SmolLM2 at pp=2 on two simulated Ray nodes (NIXL over TCP) answers token for token as local pp=2."""
+"""The default deployment (the real SmolLM2, pp=2) with only `parallel.backend = "ray"` set starts on two simulated
+Ray nodes (NIXL over TCP; layer shifting, auto, turns itself off) and answers token for token as locally."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import tomllib
+from pathlib import Path
 
 import pytest
 
 from asyncpp.client import AsyncClient
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
-from tests.runtime.ray_backend.conftest import placed_event, ray_sections
-from tests.runtime.test_real_model_pp import CHATS, GREEDY, real_sections
+from tests.runtime.ray_backend.conftest import placed_event
+from tests.runtime.test_real_model_pp import CHATS, GREEDY
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.toml"
 
 pytestmark = [
     pytest.mark.slow,
@@ -30,12 +36,25 @@ async def _chats(run_dir, sections) -> list:
     return results, engine.log_file
 
 
-async def test_real_model_on_two_ray_nodes_equals_local(tmp_path, ray_cluster):
-    local, _ = await _chats(tmp_path / "local", real_sections(2))
-    sections = real_sections(2)
-    sections["parallel"].update(ray_sections(ray_cluster)["parallel"])
+def _auto_shift(log_file) -> list[dict]:
+    """The launcher's `shift_layers_auto` events: what auto came to, and why."""
+    return [json.loads(line) for line in log_file.read_text().splitlines() if '"shift_layers_auto"' in line]
+
+
+def _default_sections() -> dict:
+    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
+    sections["server"]["port"] = 0  # any free one: tests run side by side
+    return sections
+
+
+async def test_the_default_deployment_on_two_ray_nodes_equals_local(tmp_path, ray_cluster):
+    local, local_log = await _chats(tmp_path / "local", _default_sections())
+    sections = _default_sections()
+    sections["parallel"] |= {"backend": "ray", "ray_address": ray_cluster.address}
     on_ray, log_file = await _chats(tmp_path / "ray", sections)
     assert placed_event(log_file)["transports"] == ["nixl"]
+    assert [(e["shift_layers"], "Ray" in e["reason"]) for e in _auto_shift(log_file)] == [(0, True)]
+    assert [e["shift_layers"] for e in _auto_shift(local_log)] == [4]  # local: the layers shift
     for chat, one, two in zip(CHATS, local, on_ray):
         assert two[0] == one[0], chat
         assert two[1] == one[1] and len(one[0]) > 0
