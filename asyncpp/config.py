@@ -39,8 +39,8 @@ class ModelConfig:
     # "auto": bfloat16 on CUDA and on CPUs that compute it natively (AVX512-BF16), else float32;
     # resolved at start-up (asyncpp.engine.compute_plan), never written back here.
     dtype: str = "auto"
-    device: str = "cpu"
-    max_model_len: int = 2048
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N" (every stage; parallel.devices sets one per stage)
+    max_model_len: int = 2048  # the longest prompt plus answer, in tokens (at most the model's own)
     # bfloat16 CPU linears: "auto" = asyncpp's AVX512-BF16 kernel where the CPU has it and no
     # AMX, else oneDNN; "onednn" = always oneDNN (the same numbers as F.linear).
     linear_kernel: str = "auto"
@@ -59,8 +59,8 @@ class ModelConfig:
     # prefill chunks or both (a step is padded to the next one; larger steps run eagerly: their
     # launches are a small part of their compute, which padding would grow, as in vLLM's 512 cap).
     # Sizes past scheduler.max_num_batched_tokens but the first are not captured. Ignored on CPU.
-    cuda_graphs: bool = True
-    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)
+    cuda_graphs: bool = True  # capture CUDA graphs (off: every step runs eagerly)
+    cuda_graph_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 384, 512)  # the step sizes captured
 
     def __post_init__(self) -> None:
         if self.source not in _SOURCES:
@@ -90,7 +90,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    pp_size: int = 1
+    pp_size: int = 1  # pipeline stages, one process each
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
     # CPU: a lone cohort's steps run with every stage's threads (pp_size * num_threads) where
@@ -175,9 +175,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = 16  # tokens per KV block
     kv_cache_memory_mb: int = 256  # budget for K and V of this stage's layers
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prompt prefix already computed
     num_kv_blocks_override: int = 0  # > 0: use exactly this many blocks (tests, debugging)
 
     def __post_init__(self) -> None:
@@ -189,9 +189,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 512
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = True  # a long prompt is computed over several steps, beside decodes
     # Pipeline runtime: schedule a cohort's next step while its current one runs, with
     # placeholders for the tokens it samples, which go from the last stage straight to the
     # first. The engine's turnaround then overlaps compute instead of idling the stages.
@@ -211,11 +211,11 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default
-    port: int = 5557
-    grace_period_s: float = 5.0
+    port: int = 5557  # the engine's client port (AsyncClient, the HTTP server); 0 = any free one
+    grace_period_s: float = 5.0  # on SIGTERM, open requests get this long to finish
     # The OpenAI-compatible HTTP server (asyncpp.http): 0 = none. Off loopback it needs an api_key.
     http_port: int = 0
-    http_host: str = "127.0.0.1"
+    http_host: str = "127.0.0.1"  # the HTTP server's address
     api_key: str = ""  # clients send "Authorization: Bearer <api_key>"; "" = no key
     served_model_name: str = ""  # "" = named after the model file
     metrics_require_key: bool = False  # the key guards everything but /health, and /metrics too if set
@@ -268,19 +268,19 @@ class KVTransferConfig:
     # offload: where every stage keeps its layers of saved blocks; "shm" (shared memory, gone
     # with the engine) or "dir" (files under store_path, kept across restarts).
     store: str = "shm"
-    store_path: str = ""
+    store_path: str = ""  # store "dir": the directory (a subdirectory per stage's layers)
     store_size_mb: int = 1024  # per stage; LRU eviction beyond it
     module: str = ""  # imported first, in the engine and every stage: registers out-of-tree connectors
     # Past these a transfer is aborted on every stage: a load's blocks are recomputed, a finished
     # request's sends (saves) are dropped, and its blocks are freed (`kv_transfer.base`).
     load_timeout_s: float = 30.0
-    save_timeout_s: float = 30.0
+    save_timeout_s: float = 30.0  # past this a finished request's sends (saves) are aborted
     # Prefill/decode disaggregation (`pd`): "producer" (computes prompts, others pull their KV) or
     # "consumer" (pulls prompts' KV, decodes); this engine's id among the engines it moves KV with
     # ("" = one made up per run); how long a producer keeps a finished prompt's blocks for pulls.
     kv_role: str = ""
-    engine_id: str = ""
-    pull_timeout_s: float = 30.0
+    engine_id: str = ""  # this engine's id among those it moves KV with ("" = made up per run)
+    pull_timeout_s: float = 30.0  # a producer keeps a finished prompt's blocks this long for pulls
     options: dict[str, Any] = field(default_factory=dict)  # the connector's own settings
     children: tuple["KVTransferConfig", ...] = ()  # multi: the connectors it composes, in load order
 

@@ -55,7 +55,7 @@ def build_parser() -> ServeArgumentParser:
         else:
             ap.add_argument(*flag.names, dest=dest(flag), type=flag.type, metavar=flag.metavar,
                             help=f"{flag.help} [{flag.key}]")  # fmt: skip
-    ap.add_argument("--log-format", choices=("console", "json"), default="console")
+    ap.add_argument("--log-format", choices=("console", "json"), default="console", help="the log lines on stderr")
     ap.add_argument("--log-level", default="info", help="debug | info | warning | error")
     ap.add_argument("--log-file", help="write JSON log lines of every process to this file")
     return ap

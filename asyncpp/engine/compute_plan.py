@@ -16,7 +16,7 @@ activation ring takes the plan's resolved values, never the config's
   bfloat16 at a level with AVX512-BF16 (its kernel multiplies the blocks'
   values in bfloat16 dot products). "auto" is native wherever that holds and its
   kernel builds (a C compiler, kernels not disabled), else float: native is
-  as fast or faster at every load measured (README, "CPU speed");
+  as fast or faster at every load measured (docs, "Benchmarks");
 - bfloat16 linears on a CPU with AVX512-BF16: the row count from which they
   multiply with float32 FMA instead of vdpbf16ps (the same bits, another
   speed), measured on this CPU or forced by `model.fma_min_rows`

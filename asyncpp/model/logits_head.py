@@ -3,7 +3,7 @@
 The logits are not an activation that feeds another layer: the sampler compares
 them. bfloat16 keeps 8 bits of mantissa, so near a logit of 30 two values up
 to 0.125 apart round to one, and greedy decoding then picks the lower token id
-instead of the larger logit (an AMX CPU answered the README's own prompt with
+instead of the larger logit (an AMX CPU answered the README's run-command prompt with
 "L'Étoile" instead of "Paris" that way). Every head here keeps its weight in
 the format it was loaded in and only changes what it writes:
 
