@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m asyncpp.launch", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="deployment TOML file (see configs/)")
     ap.add_argument("--log-format", choices=("console", "json"), default="console")
-    ap.add_argument("--log-level", help="debug | info | warning | error (default: info; warning with --prompt)")
+    ap.add_argument("--log-level", help="debug | info | warning | error (default: info; warning with --prompt "
+                    "and no --log-file)")
     ap.add_argument("--log-file", help="write JSON log lines of every process to this file")
     ap.add_argument("--port", type=int, help="override server.port (0 = any free port)")
     ap.add_argument("--http-port", type=int, help="serve the OpenAI API on this port (override server.http_port)")
@@ -261,8 +262,8 @@ def serve(config: EngineConfig, ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    if ns.log_level is None:
-        ns.log_level = "warning" if ns.prompt is not None else "info"
+    if ns.log_level is None:  # a one-shot answer keeps the terminal clean; a log file gets the events
+        ns.log_level = "warning" if ns.prompt is not None and not ns.log_file else "info"
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
     if is_disagg_config(ns.config):  # prefill/decode disaggregation: two engines behind a router
         from asyncpp.disagg.deploy import main as disagg_main

@@ -261,6 +261,8 @@ def build_app(
         except ClientDisconnected:
             return bad_request("the client disconnected").response()  # nobody reads it
         except Exception as e:
+            if exchange is not None:
+                exchange.has_failed = True
             raise engine_error(e, rename) from e
         finally:
             if exchange is not None:
@@ -277,6 +279,7 @@ def build_app(
             if include_usage:
                 yield formatter.sse(formatter.usage_chunk(exchange.times))
         except Exception as e:  # noqa: BLE001 - the status line is gone: the error travels as an event
+            exchange.has_failed = True
             yield formatter.sse(engine_error(e, rename).body())
         yield "data: [DONE]\n\n"
 
@@ -291,6 +294,7 @@ class _Exchange:
                  door: FrontDoor) -> None:  # fmt: skip
         self.stream, self.times, self.metrics, self.door = stream, times, metrics, door
         self.finish_reason: str | None = None
+        self.has_failed = False  # it ended in an error; neither finished nor failed: the client left (an abort)
         self.is_closed = False
 
     def record(self, delta: RequestDelta) -> None:
@@ -315,7 +319,7 @@ class _Exchange:
             return
         self.is_closed = True
         self.door.leave()
-        self.metrics.request_done(self.times, self.finish_reason)
+        self.metrics.request_done(self.times, self.finish_reason, self.has_failed)
         await self.stream.aclose()  # unfinished: `AsyncClient` aborts it in the engine
 
 

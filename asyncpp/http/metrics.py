@@ -39,7 +39,7 @@ class HttpMetrics:
         self.success = Counter(
             "vllm:request_success", "Requests finished, by finish reason.", labels + ["finished_reason"], registry=r
         )
-        self.failed = Counter("asyncpp:request_failure", "Requests that ended in an error.", labels, registry=r)
+        self.failed = Counter("asyncpp:request_failure", "Requests that ended in an error (an abort by a client that left is not one).", labels, registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(
@@ -57,12 +57,17 @@ class HttpMetrics:
         self.recovery = _RecoveryMetrics(model_name)
         r.register(self.recovery)
 
-    def request_done(self, record: RequestTimes, finish_reason: str | None) -> None:
+    def request_done(self, record: RequestTimes, finish_reason: str | None, has_failed: bool = False) -> None:
+        """A request's end: finished (by its reason), failed (an error reached its client), or aborted
+        (its client left first: `vllm:request_success{finished_reason="abort"}`, as vLLM counts it)."""
         m = self.model_name
         self.prompt_tokens.labels(m).inc(record.num_prompt_tokens)
         self.generation_tokens.labels(m).inc(record.num_output_tokens)
         if finish_reason is None:
-            self.failed.labels(m).inc()
+            if has_failed:
+                self.failed.labels(m).inc()
+            else:
+                self.success.labels(m, "abort").inc()
             return
         self.success.labels(m, finish_reason).inc()
         if record.first_token_at is not None:

@@ -193,8 +193,11 @@ async def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
         stats = await poll_until(client.stats, lambda s: s["num_running"] == 0 and s["num_waiting"] == 0, 10)
         assert stats["num_free_kv_blocks"] == before["num_free_kv_blocks"]
         with httpx.Client(base_url=server.base_url) as http:
-            values = metric_values(http.get("/metrics").text)
+            text = http.get("/metrics").text
+            values = metric_values(text)
         assert values["vllm:num_requests_running"] == 0
+        assert 'vllm:request_success_total{finished_reason="abort"' in text  # the client left: an abort
+        assert values.get("asyncpp:request_failure_total", 0) == 0  # not a failure
         assert values["vllm:kv_cache_usage_perc"] == pytest.approx(1 - stats["num_free_kv_blocks"] / stats["num_kv_blocks"])
     finally:
         client.close()
