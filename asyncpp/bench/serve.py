@@ -23,7 +23,7 @@ overrides, warms it up, sends the same requests through `AsyncClient` and
 shuts it down (SIGTERM, wait) whatever happens. The machine is shared and
 noisy, so every figure is read against the baseline run (`--baseline`,
 default the first) measured in the same invocation: the ratio lines say
-"baseline METRIC = R x other run". `--repeat N` runs the whole list N times,
+"other run METRIC = R x baseline" (other / baseline, as the docs' tables). `--repeat N` runs the whole list N times,
 interleaved (A B A B ...), so that a slow spell of the machine hits every run
 alike; ratios are then taken within each repetition and summarised as their
 median and range. `--compare transformers` adds the same requests through
@@ -327,15 +327,15 @@ def machine_info() -> dict[str, Any]:
 
 
 def repetition_ratios(repetition: list[dict], base: int) -> list[dict]:
-    """Ratio rows of one repetition: its baseline run against each of its other runs."""
+    """Ratio rows of one repetition: each of its other runs against its baseline run (run / baseline)."""
     baseline = repetition[base]
     rows = []
     for run in repetition:
         if run is baseline:
             continue
-        for row in ratio_rows(baseline["label"], baseline["metrics"], run["label"], run["metrics"]):
-            rows.append(row | {"repeat": run["repeat"], "subject_variant": baseline["variant"],
-                               "reference_variant": run["variant"]})
+        for row in ratio_rows(run["label"], run["metrics"], baseline["label"], baseline["metrics"]):
+            rows.append(row | {"repeat": run["repeat"], "subject_variant": run["variant"],
+                               "reference_variant": baseline["variant"]})
     return rows
 
 

@@ -111,8 +111,8 @@ def test_ratios_come_from_the_numbers_in_the_file(result):
     rows = result["ratios"]
     assert len(rows) == len(RATIO_METRICS)
     for row in rows:
-        assert (row["subject"], row["reference"]) == ("pp=2", "pp=1")
-        expected = runs["pp=2"][row["metric"]] / runs["pp=1"][row["metric"]]
+        assert (row["subject"], row["reference"]) == ("pp=1", "pp=2")  # the other run / the baseline (the first)
+        expected = runs["pp=1"][row["metric"]] / runs["pp=2"][row["metric"]]
         assert row["ratio"] == pytest.approx(expected)
 
 
@@ -132,13 +132,13 @@ def test_repeat_interleaves_runs_and_summarises_ratios_per_repetition(tiny_toml,
     rows = result["ratios"]
     assert len(rows) == 2 * len(RATIO_METRICS)
     for row in rows:  # each ratio within one repetition
-        assert (row["subject"], row["reference"]) == (f"pp=1 #{row['repeat']}", f"pp=2 #{row['repeat']}")
+        assert (row["subject"], row["reference"]) == (f"pp=2 #{row['repeat']}", f"pp=1 #{row['repeat']}")
         assert row["ratio"] == pytest.approx(metrics[row["subject"]][row["metric"]] / metrics[row["reference"]][row["metric"]])
     summary = {row["metric"]: row for row in result["ratio_summary"]}
     assert len(summary) == len(RATIO_METRICS)
     tput = summary["output_throughput"]
     per_rep = [r["ratio"] for r in rows if r["metric"] == "output_throughput"]
-    assert (tput["subject"], tput["reference"], tput["ratios"]) == ("pp=1", "pp=2", per_rep)
+    assert (tput["subject"], tput["reference"], tput["ratios"]) == ("pp=2", "pp=1", per_rep)
     assert tput["median"] == pytest.approx(sum(per_rep) / 2)
     assert (tput["min"], tput["max"]) == (min(per_rep), max(per_rep))
     assert "Over 2 repetitions" in capsys.readouterr().out
