@@ -220,7 +220,9 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             http = await start_http(ns.config, config, router.address, stages.addresses.run_id)
             print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
         # Only now: whoever reads this line may signal us at once.
-        print(f"asyncpp ready: clients connect to {router.address} ({plan.summary()})", file=sys.stderr, flush=True)
+        where = f"; {stages.pp_size} stages as Ray actors on {len({p.node_id for p in stages.procs})} node(s)" if (
+            config.parallel.backend == "ray") else ""  # fmt: skip
+        print(f"asyncpp ready: clients connect to {router.address} ({plan.summary()}{where})", file=sys.stderr, flush=True)
         log.debug("gc_heap_frozen", num_objects=freeze_startup_heap())
         with profiled("engine"):
             serving = asyncio.create_task(server.serve())

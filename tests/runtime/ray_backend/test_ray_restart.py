@@ -66,3 +66,23 @@ async def test_a_killed_actor_and_a_removed_node_are_replaced_and_every_request_
         while len(ray_cluster.worker_nodes) < NUM_NODES:  # give the session its node back
             ray_cluster.add_node(num_cpus=1)
         ray_cluster.wait_for_nodes()
+
+
+def test_the_local_cluster_command_prints_its_address_and_stops_on_sigterm():
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "asyncpp.runtime.ray_backend.local_cluster", "--nodes", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        line = ""
+        for line in proc.stdout:
+            if line.startswith("ray cluster: "):
+                break
+        assert line.startswith("ray cluster: ") and line.rstrip().endswith("(1 nodes of 1 CPUs)"), line
+        address = line.split()[2]
+        assert ":" in address
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
