@@ -137,8 +137,11 @@ async def test_failing_and_hanging_transfers_in_stage_processes(
 
 
 async def test_a_stage_dying_with_the_offload_connector_leaves_no_store_behind(tmp_path, tiny_hf_dir):
+    """With restarts off (the restart, which adopts the stores, is `test_stage_restart_offload.py`'s)."""
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    with launched(tmp_path, sections(tiny_hf_dir, {"connector": "offload"})) as engine:
+    fail_stop = sections(tiny_hf_dir, {"connector": "offload"})
+    fail_stop["parallel"]["max_stage_restarts"] = 0
+    with launched(tmp_path, fail_stop) as engine:
         client = AsyncClient(engine.address)
         try:
             stats = await client.stats()
