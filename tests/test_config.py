@@ -134,3 +134,31 @@ def test_the_default_deployment_with_only_the_ray_backend_set_is_a_valid_config(
     config = config_from_dict(sections)
     assert config.parallel.shift_layers == -1 and config.shift_layers == 0
     assert config_from_dict(tomllib.loads(DEFAULT_CONFIG.read_text())).shift_layers == AUTO_SHIFT_LAYERS
+
+
+def test_what_shift_layers_comes_to_is_logged_once_at_start_up():
+    from asyncpp.engine.startup import log_shift_layers
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.events = []
+
+        def info(self, event, **fields):
+            self.events.append(("info", event, fields))
+
+        def warning(self, event, **fields):
+            self.events.append(("warning", event, fields))
+
+    def logged(data: dict) -> list:
+        log = Recorder()
+        log_shift_layers(config_from_dict(data), log)
+        return log.events
+
+    auto = {"pp_size": 2, "shift_layers": -1}
+    assert logged({"parallel": auto}) == [("info", "shift_layers_auto", {"shift_layers": 4, "reason": "CPU stages run locally"})]
+    [(level, event, fields)] = logged({"parallel": {**auto, "backend": "ray"}})
+    assert (level, event, fields["shift_layers"]) == ("info", "shift_layers_auto", 0) and "Ray" in fields["reason"]
+    [(level, event, fields)] = logged({"parallel": {"pp_size": 2, "shift_layers": 3}, "kv_transfer": {"connector": "offload"}})
+    assert (level, event, fields["shift_layers"]) == ("warning", "shift_layers_off", 3) and "KV connector" in fields["reason"]
+    assert logged({"parallel": {"pp_size": 2, "shift_layers": 3}}) == []  # set, and it applies
+    assert logged({"parallel": {"shift_layers": -1}}) == []  # one stage: nothing to shift
