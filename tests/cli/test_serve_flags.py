@@ -212,3 +212,26 @@ def test_disaggregated_configs_are_refused_with_the_launch_command(tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "pd-1-1.toml"
     with pytest.raises(ConfigError, match="python -m asyncpp.launch --config"):
         sections("--config", str(config))
+
+
+def test_serve_hands_the_launcher_its_config_and_a_file_of_it_removed_afterwards(monkeypatch, tmp_path):
+    import asyncpp.launch
+    from asyncpp.config import load_config
+
+    seen = {}
+
+    def fake_serve(config, ns):  # what the launcher gets: the engine does not start here
+        seen.update(config=config, ns=ns, file_config=load_config(ns.config), path=Path(ns.config))
+        return 7
+
+    monkeypatch.setattr(asyncpp.launch, "serve", fake_serve)
+    log_file = tmp_path / "serve.jsonl"
+    argv = ["-pp", "3", "--served-model-name", "smol", "--log-format", "json", "--log-level", "debug",
+            "--log-file", str(log_file)]  # fmt: skip
+    assert serve_main(argv) == 7
+    assert seen["config"] == seen["file_config"] == config_from_dict(sections(*argv))  # the HTTP server reads the same
+    assert seen["config"].parallel.pp_size == 3 and seen["config"].server.served_model_name == "smol"
+    ns = seen["ns"]
+    assert (ns.log_format, ns.log_level, ns.log_file, ns.prompt, ns.port) == ("json", "debug", str(log_file), None, None)
+    assert seen["path"].name.startswith("asyncpp-serve-") and not seen["path"].exists()  # removed once served
+    assert serve_main([]) == 7 and seen["ns"].log_file is None and seen["ns"].log_level == "info"
