@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import pytest
 
 from asyncpp.client import AsyncClient
 from tests.runtime.conftest import collect
+from tests.runtime.harness import stop
 from tests.runtime.test_real_model_pp import GREEDY
 
 openai = pytest.importorskip("openai")
@@ -60,13 +60,7 @@ def served(*argv: str) -> Iterator[tuple[str, list[str]]]:
         assert address, f"asyncpp serve exited with {proc.poll()} or was not ready:\n" + "".join(lines)
         yield address[0], lines
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
     assert proc.returncode == 0, "".join(lines[-30:])
 
 

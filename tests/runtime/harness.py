@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 from asyncpp.bench.runs import to_toml
 
@@ -81,13 +81,18 @@ def launched(
     try:
         yield engine
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM a launcher still running (it drains and cleans up), SIGKILL it past `timeout_s`; reap it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def pid_alive(pid: int) -> bool:
