@@ -1,5 +1,6 @@
 """The default deployment (the real SmolLM2, pp=2) with only `parallel.backend = "ray"` set starts on two simulated
-Ray nodes (NIXL over TCP; layer shifting, auto, turns itself off) and answers token for token as locally."""
+Ray nodes (NIXL over TCP; layer shifting, auto, turns itself off) and answers token for token as the same config
+in process (where the layers shift: the same bits either way)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from asyncpp.client import AsyncClient
+from asyncpp.config import config_from_dict
+from asyncpp.engine.engine import Engine
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 from tests.runtime.ray_backend.conftest import placed_event
@@ -48,13 +51,14 @@ def _default_sections() -> dict:
 
 
 async def test_the_default_deployment_on_two_ray_nodes_equals_local(tmp_path, ray_cluster):
-    local, local_log = await _chats(tmp_path / "local", _default_sections())
+    local_config = config_from_dict(_default_sections())
+    assert local_config.shift_layers == 4  # in process, the layers shift
+    local = [c.token_ids for c in Engine(local_config).generate(CHATS, GREEDY)]
     sections = _default_sections()
     sections["parallel"] |= {"backend": "ray", "ray_address": ray_cluster.address}
     on_ray, log_file = await _chats(tmp_path / "ray", sections)
     assert placed_event(log_file)["transports"] == ["nixl"]
     assert [(e["shift_layers"], "Ray" in e["reason"]) for e in _auto_shift(log_file)] == [(0, True)]
-    assert [e["shift_layers"] for e in _auto_shift(local_log)] == [4]  # local: the layers shift
-    for chat, one, two in zip(CHATS, local, on_ray):
-        assert two[0] == one[0], chat
-        assert two[1] == one[1] and len(one[0]) > 0
+    for chat, tokens, (ray_tokens, text, _) in zip(CHATS, local, on_ray):
+        assert ray_tokens == tokens, chat
+        assert len(tokens) > 0 and text
