@@ -58,13 +58,21 @@ def port_number(text: str) -> int:
     return value
 
 
+def http_port_number(text: str) -> int:
+    """`asyncpp serve --port`: a real port (the config's 0, no HTTP server, makes no sense for a server)."""
+    value = port_number(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be in 1..65535 (asyncpp serve always serves HTTP), got 0")
+    return value
+
+
 FLAGS: tuple[Flag, ...] = (
     Flag(("--model", "--model-path", "-m"), "model.path",
          "the model: a GGUF file, a Hugging Face directory, or an installed model package (as the positional MODEL)",
          metavar="MODEL"),
     Flag(("--host",), "server.http_host", "the HTTP server's address (default 127.0.0.1; another needs --api-key)",
          metavar="HOST"),
-    Flag(("--port",), "server.http_port", f"the HTTP server's port (default {DEFAULT_PORT})", port_number,
+    Flag(("--port",), "server.http_port", f"the HTTP server's port (default {DEFAULT_PORT})", http_port_number,
          metavar="PORT"),
     Flag(("--api-key",), "server.api_key", 'clients must send "Authorization: Bearer KEY"', metavar="KEY"),
     Flag(("--served-model-name", "--alias", "-a"), "server.served_model_name",

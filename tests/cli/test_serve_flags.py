@@ -100,6 +100,7 @@ def test_models_by_file_directory_package_and_name(tmp_path, tiny_hf_dir):
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["-pp", "0"], "--pipeline-parallel-size/-pp/--pp-size: must be >= 1"),
         (["--port", "70000"], "--port: must be in 0..65535"),
+        (["--port", "0"], "--port: must be in 1..65535 (asyncpp serve always serves HTTP), got 0"),
         (["--max-num-seqs", "many"], "--max-num-seqs/--max-running-requests/--parallel/-np: not an integer"),
         (["--speculative-config", "{"], "--speculative-config: not JSON"),
         (["--kv-transfer-config", "[1]"], "--kv-transfer-config: must be a JSON object"),
