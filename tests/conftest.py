@@ -50,6 +50,20 @@ def has_transformers() -> bool:
 
 
 @pytest.fixture(scope="session")
+def hf_smollm2():
+    """`transformers`' SmolLM2-135M-Instruct in float32 from the GGUF file (dequantized by gguf-py), with its
+    tokenizer: (tokenizer, model), loaded once for every test that takes it as the reference."""
+    transformers = pytest.importorskip("transformers")
+    skip_without_real_model()
+    from asyncpp.weights import default_gguf_path
+
+    path = default_gguf_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """The deterministic random `tiny-llama` saved as an HF directory (float32) with a byte-level tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama-hf")

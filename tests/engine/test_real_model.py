@@ -24,14 +24,8 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def hf_reference():
-    transformers = pytest.importorskip("transformers")
-    from asyncpp.weights import default_gguf_path
-
-    path = default_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
-    return tok, model.eval()
+def hf_reference(hf_smollm2):
+    return hf_smollm2
 
 
 def real_config(pp_size: int = 1) -> EngineConfig:

@@ -12,7 +12,6 @@ bfloat16-rounded weights do.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from asyncpp.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from asyncpp.engine.engine import Engine
@@ -54,14 +53,9 @@ def generate(config: EngineConfig):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(hf_smollm2):
     """transformers float32 on the GGUF (dequantized by gguf-py at load): greedy token ids per chat."""
-    transformers = pytest.importorskip("transformers")
-    from asyncpp.weights import default_gguf_path
-
-    path = default_gguf_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tok, model = hf_smollm2
     expected = []
     for chat in CHATS:
         ids = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)

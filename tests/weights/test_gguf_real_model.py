@@ -39,12 +39,8 @@ def ours(gguf_path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf_path) -> dict[str, torch.Tensor]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    state = model.state_dict()
+def reference(hf_smollm2) -> dict[str, torch.Tensor]:
+    state = hf_smollm2[1].state_dict()
     return {name: state[name] for name in COMPARED}
 
 
