@@ -234,8 +234,11 @@ class AsyncClient:
             stream.put(_Ended(kind, message))
 
     async def health(self, timeout_s: float = 5.0) -> bool:
-        reply = await self._call(HealthRequest, timeout_s)
-        return reply.is_healthy
+        return (await self.health_reply(timeout_s)).is_healthy
+
+    async def health_reply(self, timeout_s: float = 5.0) -> HealthReply:
+        """Health, and the generation of the engine's KV connector (it goes up when its stages are restarted)."""
+        return await self._call(HealthRequest, timeout_s)
 
     async def stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         reply = await self._call(StatsRequest, timeout_s)

@@ -39,11 +39,15 @@ class EngineLink:
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.engine_id: str | None = None  # its KV handshake's, once exchanged (None: it publishes none)
+        self.kv_generation = 0  # of the KV handshake last given to the other engine
+        self.reported_generation = 0  # its health's: higher once its stages were restarted
         self.dead_reason: str | None = None  # None: alive
         self.is_gone = False  # its process exited: it never comes back
         self.on_dead: Callable[[EngineLink], None] = lambda link: None  # called once per death
         # A dead engine answers again: True if it may serve (the router re-exchanged handshakes).
         self.on_answer: Callable[[EngineLink], Awaitable[bool]] | None = None
+        # Its stages were restarted (its health reports a new KV generation): handshakes are exchanged again.
+        self.on_new_generation: Callable[[EngineLink], Awaitable[None]] | None = None
         self.log = get_logger(role="pd_router", engine=role)
 
     @property
@@ -73,15 +77,18 @@ class EngineLink:
                 self.log.info("engine_answers_again", address=self.address)
                 if await self.on_answer(self):
                     self.mark_alive()
+            elif self.is_alive and self.reported_generation != self.kv_generation and self.on_new_generation is not None:
+                await self.on_new_generation(self)
             await asyncio.sleep(max(0.0, self.health_interval_s - (time.monotonic() - t0)))
 
     async def check(self) -> str | None:
         """None if the engine answers healthy now, else why not."""
         try:
-            is_healthy = await self.client.health(timeout_s=self.health_timeout_s)
+            reply = await self.client.health_reply(timeout_s=self.health_timeout_s)
         except TimeoutError:
             return f"no health reply within {self.health_timeout_s:g} s"
-        return None if is_healthy else "it reports itself unhealthy"
+        self.reported_generation = reply.kv_generation
+        return None if reply.is_healthy else "it reports itself unhealthy"
 
     def mark_dead(self, reason: str) -> None:
         if not self.is_alive:
@@ -110,7 +117,8 @@ async def exchange_handshakes(prefill: EngineLink, decode: EngineLink, timeout_s
     """Give each engine the other's KV handshake; retry while either does not answer.
 
     An engine that publishes none (no connector, or one that needs nothing of
-    its peer) is skipped. An engine that refuses the other's handshake raises
+    its peer) is skipped; one that published one before and has none now (its
+    stages are being restarted) is waited for. An engine that refuses the other's handshake raises
     `RuntimeError`: the deployment is misconfigured, retrying will not help."""
     log = get_logger(role="pd_router")
     deadline = time.monotonic() + timeout_s
@@ -121,13 +129,20 @@ async def exchange_handshakes(prefill: EngineLink, decode: EngineLink, timeout_s
             handshakes = await asyncio.gather(
                 prefill.client.kv_handshake(timeout_s=per_call_s), decode.client.kv_handshake(timeout_s=per_call_s)
             )
+            for source, handshake in ((prefill, handshakes[0]), (decode, handshakes[1])):
+                if handshake is None and source.engine_id is not None:
+                    raise TimeoutError  # restarting its stages: their handshakes come once they are up
             for source, target, handshake in ((prefill, decode, handshakes[0]), (decode, prefill, handshakes[1])):
                 source.engine_id = handshake.engine_id if handshake is not None else None
                 if handshake is None:
                     log.info("no_kv_handshake", engine=source.role, address=source.address)
                     continue
                 await target.client.add_remote_engine(handshake, timeout_s=per_call_s)
-                log.info("kv_handshake_given", source=source.role, target=target.role, engine_id=handshake.engine_id)
+                source.kv_generation = handshake.generation
+                log.info(
+                    "kv_handshake_given", source=source.role, target=target.role, engine_id=handshake.engine_id,
+                    generation=handshake.generation,
+                )  # fmt: skip
             return
         except TimeoutError:
             if time.monotonic() >= deadline:

@@ -120,10 +120,12 @@ class PDRouter:
         self._ids = itertools.count(1)
         self._releases: set[asyncio.Task] = set()  # `_send_and_abort`s under way
         self._stop = asyncio.Event()
+        self._exchanging = asyncio.Lock()  # one handshake exchange at a time
         self.log = get_logger(role="pd_router", router_id=self.router_id)
         for link in (prefill, decode):
             link.on_dead = self._engine_dead
             link.on_answer = self._engine_answers
+            link.on_new_generation = self._new_generation
 
     @property
     def address(self) -> str:
@@ -226,6 +228,7 @@ class PDRouter:
             if not self.decode.is_alive:
                 raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
             self.counters.num_handovers += 1
+            await self._handshake_of(req, kv_transfer_params)
             await self._run_decode(req, kv_transfer_params)
         except RequestError as e:
             self._fail(req, e.reply.message, e.reply.kind, e.reply.field)
@@ -291,6 +294,7 @@ class PDRouter:
         if not self.decode.is_alive:
             raise RequestError(ErrorReply(req.msg.request_id, self.decode.dead_message(), "engine_dead"))
         self.counters.num_handovers += 1
+        await self._handshake_of(req, kv_transfer_params)
         await self.decode.client.remote_prefill_done(req.engine_request_id, kv_transfer_params)
 
     async def _run_prefill(
@@ -378,11 +382,38 @@ class PDRouter:
         other = self.decode if link is self.prefill else self.prefill
         if other.is_alive:
             try:
-                await exchange_handshakes(self.prefill, self.decode, REVIVE_TIMEOUT_S)
+                async with self._exchanging:
+                    await exchange_handshakes(self.prefill, self.decode, REVIVE_TIMEOUT_S)
             except (TimeoutError, RuntimeError) as e:
                 self.log.warning("engine_revival_failed", engine=link.role, error=str(e))
                 return False
         return True
+
+    async def _new_generation(self, link: EngineLink) -> None:
+        """An engine's stages were restarted (its health says so): their KV memory is new, so both
+        engines get the other's handshake again (the unchanged one is a no-op there)."""
+        self.log.info("engine_stages_restarted", engine=link.role, generation=link.reported_generation)
+        try:
+            async with self._exchanging:
+                if link.reported_generation != link.kv_generation:
+                    await exchange_handshakes(self.prefill, self.decode, REVIVE_TIMEOUT_S)
+        except (TimeoutError, RuntimeError) as e:  # asked again at the next health check
+            self.log.warning("kv_handshake_renewal_failed", engine=link.role, error=str(e))
+
+    async def _handshake_of(self, req: RoutedRequest, kv_transfer_params: dict[str, Any]) -> None:
+        """The producer's params come from stages the decode engine has no handshake of yet (restarted
+        since the last exchange): exchange first, or the decode engine refuses them."""
+        generation = kv_transfer_params.get("generation")
+        if not isinstance(generation, int) or generation == self.prefill.kv_generation:
+            return
+        async with self._exchanging:
+            if generation == self.prefill.kv_generation:
+                return
+            try:
+                await exchange_handshakes(self.prefill, self.decode, REVIVE_TIMEOUT_S)
+            except (TimeoutError, RuntimeError) as e:
+                message = f"the KV handshakes could not be exchanged after {self.prefill.name}'s stages restarted: {e}"
+                raise RequestError(ErrorReply(req.msg.request_id, message, "engine_dead")) from e
 
     # ---- request/reply ---------------------------------------------------------------------
     async def _health(self, msg: HealthRequest) -> HealthReply:

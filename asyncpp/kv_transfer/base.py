@@ -200,6 +200,9 @@ class KVConnectorScheduler(ABC):
     # The engine restarts lost stages in place (`asyncpp.runtime.recovery`) only if its connector
     # can forget the transfers that died with them (`forget_transfers`).
     can_forget_transfers = False
+    # How many times the stages were replaced: published with the engine's handshake and in its
+    # health replies, so that a remote engine learns that what it was handed before is gone.
+    generation = 0
 
     def forget_transfers(self) -> None:
         """Every stage was killed (to be started again): the transfers in flight ended with them and

@@ -62,16 +62,20 @@ class EngineHandshake:
     # Signs the `kv_transfer_params` this engine hands out, so that an engine pulling from it can
     # tell them from forged ones (`kv_transfer.pd.params`). Only engines see handshakes.
     params_key: bytes = b""
+    # How many times the engine's stages were replaced (a restart): their KV memory is new, and
+    # whatever the engine handed out before holds nothing any more.
+    generation: int = 0
 
     @staticmethod
     def of(
-        engine_id: str, metadata: dict[tuple[int, int], KVHandshakeMetadata], params_key: bytes = b""
+        engine_id: str, metadata: dict[tuple[int, int], KVHandshakeMetadata], params_key: bytes = b"",
+        generation: int = 0,
     ) -> EngineHandshake:
         pp_size = 1 + max(pp_rank for pp_rank, _ in metadata) if metadata else 0
         stages = [metadata[(pp_rank, 0)] for pp_rank in range(pp_size) if (pp_rank, 0) in metadata]
         if len(stages) != pp_size:
             raise ValueError(f"engine {engine_id!r}: handshakes of pp_ranks {sorted(metadata)} leave gaps")
-        return EngineHandshake(engine_id, pp_size, stages, params_key)
+        return EngineHandshake(engine_id, pp_size, stages, params_key, generation)
 
 
 def aggregate_handshakes(

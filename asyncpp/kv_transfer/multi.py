@@ -81,6 +81,10 @@ class MultiScheduler(KVConnectorScheduler):
     def can_forget_transfers(self) -> bool:  # type: ignore[override]
         return all(child.can_forget_transfers for child in self.children)
 
+    @property
+    def generation(self) -> int:  # type: ignore[override]
+        return max(child.generation for child in self.children)
+
     def forget_transfers(self) -> None:
         for child in self.children:
             child.forget_transfers()

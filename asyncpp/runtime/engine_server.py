@@ -206,7 +206,8 @@ class EngineServer:
         await self.port.send_error(request_id, message, kind, error_field)
 
     async def _health(self, msg: HealthRequest) -> HealthReply:
-        return HealthReply(msg.nonce, not self.is_dead)
+        connector = self.core.kv_connector
+        return HealthReply(msg.nonce, not self.is_dead, connector.generation if connector is not None else 0)
 
     async def _stats_reply(self, msg: StatsRequest) -> StatsReply:
         return StatsReply(msg.nonce, self.stats())

@@ -129,6 +129,7 @@ class ErrorReply:
 class HealthReply:
     nonce: int
     is_healthy: bool
+    kv_generation: int = 0  # its KV connector's (`EngineHandshake.generation`): a new one needs a new handshake
 
 
 @message("stats_reply")

@@ -66,6 +66,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.remote_engines: list[EngineHandshake] = []
         self.is_healthy = True
+        self.kv_generation = 0  # what its health says (a restart of its stages raises it)
         self.stats: dict[str, Any] = {"num_running": 0, "num_waiting": 0, "role": role}
         self.kv_transfer_params: dict[str, Any] | None = PREFILL_PARAMS  # prefill: what it hands out
         self.finish_reason = "length"  # prefill: why its one token ends its request
@@ -114,7 +115,7 @@ class FakeEngine:
                 if task is not None:
                     task.cancel()
             elif isinstance(msg, HealthRequest):
-                await self.queue.put(peer, HealthReply(msg.nonce, self.is_healthy))
+                await self.queue.put(peer, HealthReply(msg.nonce, self.is_healthy, self.kv_generation))
             elif isinstance(msg, StatsRequest):
                 await self.queue.put(peer, StatsReply(msg.nonce, self.stats))
             elif isinstance(msg, KVHandshakeRequest):

@@ -8,7 +8,8 @@ of every block of the prompt it holds for the pull (the last one partly
 filled), how many tokens they cover (the whole prompt), a hash of those
 tokens, the token it sampled (the client already has it: the consumer
 continues after it), when it sampled it (wall clock, for the handover time),
-the consumer engine they are handed to, when they expire, a nonce, and an
+the consumer engine they are handed to, when they expire, a nonce, the
+generation of the producer's stages that hold the blocks, and an
 HMAC over all of it with a key that only engines see
 (`EngineHandshake.params_key`). The consumer refuses params whose engine it
 does not know, whose signature does not match (forged block ids, counts,
@@ -16,6 +17,14 @@ tokens), whose blocks do not cover exactly its prompt, whose tokens are not
 its prompt's, that were handed to another engine, that expired, or whose
 nonce it accepted before: a bad request fails alone with a clear error and
 the producer's blocks are only ever read as handed out, once.
+
+A producer whose stages were restarted (`asyncpp.runtime.recovery`) lost
+every block it held: its generation goes up and its params key changes, so
+that no engine reads the new stages' memory under params handed out before.
+The consumer refuses params of another generation than the producer
+handshake it holds (the router gives it the new one first), and computes a
+request itself whose params' generation has passed by the time it would
+pull (its prompt and first token are all it needs).
 
 Params are used once. The consumer named is the request's `decode_engine_id`
 if it names one, else the one remote engine the producer knows if it knows
@@ -57,7 +66,7 @@ DECODE_ENGINE_ID = "decode_engine_id"  # producer: whose stages to tell once the
 DO_REMOTE_PREFILL = "do_remote_prefill"
 _FIELDS = (
     "remote_engine_id", "remote_request_id", "remote_block_ids", "num_tokens", "tokens_sha256",
-    "first_token_id", "first_token_at", "consumer_engine_id", "expires_at", "nonce",
+    "first_token_id", "first_token_at", "consumer_engine_id", "expires_at", "nonce", "generation",
 )  # fmt: skip
 
 _NONCE = re.compile(r"[0-9a-f]{1,64}")
@@ -81,6 +90,7 @@ class RemotePrefill:
     consumer_engine_id: str  # the decode engine they were handed to ("": any engine that knows the producer)
     expires_at: float  # time.time() past which the producer no longer holds the blocks
     nonce: str  # random, one per handout: the producer counts the readers of these params by it
+    generation: int = 0  # of the producer's stages that hold the blocks (`EngineHandshake.generation`)
 
     def signed(self, key: bytes) -> dict[str, Any]:
         params = {name: getattr(self, name) for name in _FIELDS}
@@ -110,6 +120,9 @@ class RemotePrefill:
         first_token_id = params["first_token_id"]
         if isinstance(first_token_id, bool) or not isinstance(first_token_id, int) or first_token_id < 0:
             raise TypeError(f"kv_transfer_params.first_token_id must be an int >= 0, got {first_token_id!r}")
+        generation = params["generation"]
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise TypeError(f"kv_transfer_params.generation must be an int >= 0, got {generation!r}")
         for name in ("first_token_at", "expires_at"):
             if isinstance(params[name], bool) or not isinstance(params[name], (int, float)):
                 raise TypeError(f"kv_transfer_params.{name} must be a number, got {params[name]!r}")

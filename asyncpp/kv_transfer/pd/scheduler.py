@@ -94,6 +94,8 @@ class PDScheduler(KVConnectorScheduler):
         self._unsent_remote: list[EngineHandshake] = []
         self._unsent_transfers: list[BlockTransfer] = []  # consumer: pulls, and releases without a pull
         self._resolved: set[str] = set()  # consumer: unfinished requests with params, pulled or released
+        self._bound: dict[str, BlockTransfer] = {}  # consumer: unfinished requests -> the pull bound for them
+        self._compute_here: set[str] = set()  # consumer: unfinished requests that pull no more (a restart)
         self._first_token_at: dict[str, float] = {}  # consumer: awaited requests whose params came
         self._used_nonces: dict[str, float] = {}  # consumer: nonces of params accepted here -> their expiry
         self._awaited: set[tuple[str, str]] = set()  # consumer: (producer, its request) an unfinished request awaits
@@ -105,6 +107,7 @@ class PDScheduler(KVConnectorScheduler):
         self.num_released_unpulled = 0  # consumer: told the producer without pulling
         self.num_early_handovers = 0  # consumer: awaited requests whose producer params came
         self.num_refused_replays = 0  # consumer: params refused because their nonce was used here before
+        self.num_computed_here = 0  # consumer: requests computed here after all (a restart on either side)
         self.log = get_logger(role="engine", connector="pd", kv_role=self.role, engine_id=self.engine_id)
 
     @property
@@ -127,13 +130,15 @@ class PDScheduler(KVConnectorScheduler):
     def engine_handshake(self) -> EngineHandshake | None:
         if not self._stages:
             return None
-        return EngineHandshake.of(self.engine_id, self._stages, self._params_key)
+        return EngineHandshake.of(self.engine_id, self._stages, self._params_key, self.generation)
 
     def add_remote_engine(self, handshake: EngineHandshake) -> None:
         if handshake.engine_id == self.engine_id:
             raise ValueError(f"remote engine id {handshake.engine_id!r} is this engine's own")
         if not handshake.params_key:
             raise ValueError(f"remote engine {handshake.engine_id!r} has no params key")
+        if self._remote.get(handshake.engine_id) == handshake:
+            return  # given again unchanged (the other engine's stages were restarted): its reads go on
         self.topology.register_remote_engine(handshake)  # checks layers, block size, dtype
         self._remote[handshake.engine_id] = handshake
         self._unsent_remote.append(handshake)
@@ -167,6 +172,12 @@ class PDScheduler(KVConnectorScheduler):
         remote = self._remote.get(prefill.remote_engine_id)
         if remote is None:
             raise ValueError(f"kv_transfer_params name engine {prefill.remote_engine_id!r}, which this engine does not know")
+        if prefill.generation != remote.generation:
+            raise ValueError(
+                f"kv_transfer_params are from generation {prefill.generation} of engine {prefill.remote_engine_id!r}'s "
+                f"stages, this engine knows generation {remote.generation}: its stages were restarted and "
+                + ("the blocks are gone" if prefill.generation < remote.generation else "its handshake is not here yet")
+            )
         num_remote_blocks = min(stage.num_blocks for stage in remote.stages)
         now = time.time()
         key, block_size = remote.params_key, self.ctx.block_size
@@ -224,7 +235,14 @@ class PDScheduler(KVConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         prefill = self._remote_prefill(request)
-        if prefill is None or request.num_preemptions:  # preempted: its pulled blocks are gone, compute
+        if prefill is None or request.num_preemptions or request.request_id in self._compute_here:
+            return 0, False  # preempted or restarted: its pulled blocks are gone, compute
+        if isinstance(prefill, RemotePrefill) and prefill.generation != self._remote[prefill.remote_engine_id].generation:
+            # The producer's stages were restarted since: the blocks are gone, and its new stages'
+            # memory must never be read under these params. The prompt and first token are all it needs.
+            self.log.warning("pd_params_outlived", request_id=request.request_id, generation=prefill.generation)
+            self._compute_here.add(request.request_id)
+            self.num_computed_here += 1
             return 0, False
         if isinstance(prefill, AwaitedPrefill):  # the whole prompt, as soon as the producer has it
             num_tokens = request.num_prompt_tokens - num_computed_tokens
@@ -247,16 +265,16 @@ class PDScheduler(KVConnectorScheduler):
                 "remote_ready_at": prefill.first_token_at,
                 "nonce": prefill.nonce,
             }
-        self._unsent_transfers.append(
-            BlockTransfer(
-                request.request_id,
-                block_ids[first : first + num_blocks],
-                [],
-                remote_engine_id=prefill.remote_engine_id,
-                remote_request_id=prefill.remote_request_id,
-                **how,
-            )
+        pull = BlockTransfer(
+            request.request_id,
+            block_ids[first : first + num_blocks],
+            [],
+            remote_engine_id=prefill.remote_engine_id,
+            remote_request_id=prefill.remote_request_id,
+            **how,
         )
+        self._unsent_transfers.append(pull)
+        self._bound[request.request_id] = pull
         self._resolved.add(request.request_id)
         self.num_pulls += 1
         self.num_pulled_tokens += num_external_tokens
@@ -322,6 +340,8 @@ class PDScheduler(KVConnectorScheduler):
                 awaited = AwaitedPrefill.parse(request.kv_transfer_params)
                 self._awaited.discard((awaited.remote_engine_id, awaited.remote_request_id))
             self._resolved.discard(request.request_id)
+            self._bound.pop(request.request_id, None)
+            self._compute_here.discard(request.request_id)
             self._first_token_at.pop(request.request_id, None)
             return False, None
         if not _is_producer_params(request.kv_transfer_params):
@@ -344,10 +364,46 @@ class PDScheduler(KVConnectorScheduler):
             consumer_engine_id=self._consumer_of(request.kv_transfer_params),
             expires_at=now + self.ctx.pull_timeout_s,  # then the engine aborts the hold, frees the blocks
             nonce=nonce,
+            generation=self.generation,
         )
         self._unsent_nonces[request.request_id] = nonce
         self.num_handed_out += 1
         return True, prefill.signed(self._params_key)
+
+    # ---- a stage restart -------------------------------------------------------------------
+    can_forget_transfers = True
+
+    def forget_transfers(self) -> None:
+        """This engine's stages died with their pulls, reads and notices (`asyncpp.runtime.recovery`).
+
+        Producer: every block held for a handout is gone. The generation goes up and the params key
+        changes, so that a consumer given the new handshake refuses params handed out before, and
+        never reads the new stages' memory under them (`RemotePrefill.generation`).
+        Consumer: a request whose pull was bound (half read, or read and its producer told) computes
+        its prompt here instead of pulling again (its producer may have freed the blocks since); its
+        producer is told once more that nobody reads them (a second word from a stage counts once).
+        A request not bound to a pull yet pulls as before.
+        Both: no handshake until the new stages publish theirs, and the new stages learn every
+        remote engine again with their first plan."""
+        self.generation += 1
+        self._stages = {}
+        self._unsent_remote = list(self._remote.values())
+        self._unsent_transfers = [t for t in self._unsent_transfers if not t.block_ids]  # releases still go
+        if self.role == "producer":
+            self._params_key = secrets.token_bytes(32)
+            self._nonces.clear()
+            self._unsent_nonces.clear()
+        for request_id, pull in self._bound.items():
+            self._unsent_transfers.append(
+                BlockTransfer(
+                    request_id, [], [], remote_engine_id=pull.remote_engine_id,
+                    remote_request_id=pull.remote_request_id, nonce=pull.nonce,
+                )  # fmt: skip
+            )
+        self._compute_here |= set(self._bound)
+        self.num_computed_here += len(self._bound)
+        self.log.info("pd_transfers_forgotten", generation=self.generation, num_computed_here=len(self._bound))
+        self._bound.clear()
 
     def _consumer_of(self, params: dict[str, Any]) -> str:
         """The engine the params are handed to: the one the request names, else the only consumer this
@@ -367,6 +423,8 @@ class PDScheduler(KVConnectorScheduler):
             "pd_num_released_unpulled": self.num_released_unpulled,
             "pd_num_early_handovers": self.num_early_handovers,
             "pd_num_refused_replays": self.num_refused_replays,
+            "pd_num_computed_here": self.num_computed_here,
+            "pd_generation": self.generation,
         }
 
 
