@@ -12,10 +12,13 @@ by their number before the chat template runs (`check_chat_size`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncpp.errors import InvalidRequestError
 from asyncpp.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncpp.structured.compiler import GrammarCompiler
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -51,6 +54,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self._max_text_chars: int | None = None  # see `check_text_length`
         self._costly_roles: frozenset[str] | None = None  # see `check_chat_size`
+        self._grammars: GrammarCompiler | None = None  # built for the first request with structured output
 
     def process(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         self.validate(params)
@@ -66,6 +70,16 @@ class InputProcessor:
             raise
         except (ValueError, TypeError) as e:
             raise InvalidRequestError("sampling_params", str(e)) from e
+        if params.structured_outputs is not None:  # its schema or grammar compiles (cached), or a 400
+            self.grammars.check(params.structured_outputs)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            from asyncpp.structured.compiler import GrammarCompiler  # llguidance: only once a request needs it
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids (a chat gets the template); `InvalidRequestError` if unusable."""

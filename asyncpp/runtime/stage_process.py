@@ -311,6 +311,7 @@ class Stage:
             layer_range=a.run_layers,
             shared_kv=shared_kv,
             speculative=a.speculative,
+            tokenizer=(a.model_source, a.model_path),
         )
         # The graphs read the ring's slots in place: the previous stage's write is the only copy.
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)

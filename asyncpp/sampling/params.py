@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from asyncpp.errors import InvalidRequestError
+from asyncpp.sampling.structured import StructuredOutputs
 
 _GREEDY_EPS = 1e-5
 # Seen logits are divided or multiplied by the penalty in float32: within this range they stay finite.
@@ -37,6 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs besides the sampled token's
     include_stop_str_in_output: bool = False
+    # Generate only what a JSON schema, regex, choice or grammar allows (`asyncpp.structured`).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         # Accept lists from callers / the wire, store tuples (hashable, immutable).
@@ -51,6 +54,8 @@ class SamplingParams:
         elif not isinstance(self.stop_token_ids, tuple):
             kind = type(self.stop_token_ids).__name__
             raise InvalidRequestError("stop_token_ids", f"stop_token_ids must be a list of integers, got {kind}")
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", StructuredOutputs.from_dict(self.structured_outputs))
 
     @property
     def is_greedy(self) -> bool:
@@ -113,6 +118,8 @@ class SamplingParams:
         d = asdict(self)
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
         return d
 
     @classmethod

@@ -118,6 +118,10 @@ class Tokenizer:
             self._token_bytes = table
         return self._token_bytes
 
+    def backend_json(self) -> str:
+        """The Rust tokenizer as `tokenizer.json` text (what grammar engines build their vocabulary from)."""
+        return self._backend.to_str()
+
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
 

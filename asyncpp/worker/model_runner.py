@@ -43,6 +43,7 @@ from asyncpp.model.llama import LlamaModel
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.proposer import Proposer
 from asyncpp.speculative.rejection import RejectionSampler
+from asyncpp.structured.sampling import StructuredSampling
 from asyncpp.step_phases import NO_PHASES, StepPhases, _NoPhases
 from asyncpp.worker.async_output import AsyncSample, DeviceTokens, PendingOutput
 from asyncpp.worker.cuda_graphs import StepGraphs
@@ -83,13 +84,15 @@ class ModelRunner:
         layer_range: tuple[int, int] | None = None,
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        structured: StructuredSampling | None = None,
     ) -> None:
         """`layer_range`: the layers this stage runs when a plan names no `layer_bounds` (None: every
         layer of `model`, which may hold more: `parallel.shift_layers`); `pp_rank` finds its range in
         a plan's bounds. `graph_sizes`: decode batch sizes run from static buffers (captured as CUDA graphs on CUDA,
         plain replays on CPU); they need the decode kernel, `max_model_len` and a `pad_slot` past the
         engine's blocks. `isa`: the level CPU kernels are built for (None: the CPU's best).
-        `proposer` (last stage): drafts up to `num_speculative_tokens` tokens per sampled request."""
+        `proposer` (last stage): drafts up to `num_speculative_tokens` tokens per sampled request.
+        `structured` (last stage): the grammar matchers of requests asking for structured output."""
         if len(kv_caches) != model.num_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a slice of {model.num_layers} layers")
         self.model = model
@@ -115,6 +118,7 @@ class ModelRunner:
         if proposer is not None and not model.is_last:
             raise ValueError("a proposer runs on the last stage only")
         self.proposer = proposer
+        self.structured = structured if model.is_last else None
         self.num_speculative_tokens = num_speculative_tokens
         self.sampling_states: dict[str, RequestSamplingState] = {}
         self.sampled_token_ids = DeviceTokens()  # first stage: latest sampled token per request
@@ -270,6 +274,7 @@ class ModelRunner:
             and self.proposer is None
             and not self.kv_connector.is_active
             and not self.sampler.reads_history([self.sampling_states[r] for r in state.sampling_req_ids])
+            and not (self.structured is not None and self.structured.has_any(state.sampling_req_ids))
         )
 
     @torch.inference_mode()
@@ -330,13 +335,16 @@ class ModelRunner:
 
     def _sample(self, state: ExecuteModelState) -> ModelRunnerOutput:
         req_states = [self.sampling_states[r] for r in state.sampling_req_ids]
+        logits = state.logits
+        if self.structured is not None and self.structured.has_any(state.sampling_req_ids):
+            logits = self.structured.mask(state.sampling_req_ids, logits, state.draft_token_ids)
         if state.draft_token_ids is not None:
-            verified = self.rejection_sampler(state.logits, req_states, state.draft_token_ids)
+            verified = self.rejection_sampler(logits, req_states, state.draft_token_ids)
             sampled, logprobs = verified.token_ids, verified.logprobs
             for req_id, drafts, token_ids in zip(state.sampling_req_ids, state.draft_token_ids, sampled):
                 self.accepted_all[req_id] = len(token_ids) == len(drafts) + 1
         else:
-            out = self.sampler(state.logits, req_states)
+            out = self.sampler(logits, req_states)
             sampled = [[t] for t in out.sampled_token_ids.tolist()]
             logprobs = _logprobs_lists(out, req_states)
             if self.proposer is not None:  # nothing to verify: a continuation after it is valid
@@ -345,6 +353,8 @@ class ModelRunner:
             req_state.output_token_ids.extend(token_ids)
             if self.proposer is not None:
                 self.proposer.extend(req_id, token_ids)
+            if self.structured is not None:
+                self.structured.advance(req_id, token_ids)
         if self.model.is_first:
             self.record_sampled(state.sampling_req_ids, [ids[-1] for ids in sampled])
         return ModelRunnerOutput(req_ids=state.sampling_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
@@ -364,6 +374,8 @@ class ModelRunner:
             self.accepted_all.pop(req_id, None)
             if self.proposer is not None:
                 self.proposer.finish(req_id)
+            if self.structured is not None:
+                self.structured.finish(req_id)
         if not self.is_last:
             return
         for new in plan.new_requests:
@@ -374,6 +386,9 @@ class ModelRunner:
             self.sampling_states[new.request_id] = RequestSamplingState.create(
                 new.sampling_params, list(new.prompt_token_ids), list(new.output_token_ids), self.device
             )
+            spec = new.sampling_params.structured_outputs
+            if spec is not None and self.structured is not None:
+                self.structured.start(new.request_id, spec, new.output_token_ids)
 
 
 def _logprobs_lists(out, req_states: list[RequestSamplingState]) -> list[list[Logprobs] | None]:

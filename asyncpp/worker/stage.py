@@ -7,6 +7,7 @@ stage processes alike, so both run exactly the same code.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,11 +28,15 @@ from asyncpp.model.logits_head import float32_logits_head
 from asyncpp.model.native_linear import NativeKernel, NativeWeights
 from asyncpp.model.packed_linear import can_pack, pack_linear_layers
 from asyncpp.speculative.proposer import create_proposer
+from asyncpp.structured.sampling import StructuredSampling
 from asyncpp.weights import load_weights
 from asyncpp.weights.base import StoredTensor
 from asyncpp.worker.kv_cache import allocate_kv_caches
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from asyncpp.structured.compiler import GrammarCompiler
 
 
 def build_model_slice(
@@ -161,11 +166,14 @@ def build_runner(
     layer_range: tuple[int, int] | None = None,
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     speculative: SpeculativeConfig | None = None,
+    tokenizer: tuple[str, str | None] | None = None,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
     their padding rows' K/V there. `shared_kv`: the caches of layers held with a neighbouring
     stage (global layer index -> (K, V), `parallel.shift_layers`); the others are allocated here.
-    `layer_range`, `pp_rank`: see `ModelRunner`. `speculative`: the last stage gets its proposer."""
+    `layer_range`, `pp_rank`: see `ModelRunner`. `speculative`: the last stage gets its proposer.
+    `tokenizer`: the model's (source, path), which the last stage loads for grammars the first time a
+    request asks for structured output (None: such requests are refused at the engine)."""
     num_allocated = num_blocks + 1 if graph_sizes else num_blocks
     shared_kv = shared_kv or {}
     own = [i for i in range(model.start_layer, model.end_layer) if i not in shared_kv]
@@ -188,4 +196,17 @@ def build_runner(
         layer_range=layer_range,
         proposer=create_proposer(speculative) if speculative is not None and model.is_last else None,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+        structured=structured_sampling(tokenizer, model.arch.vocab_size) if tokenizer is not None and model.is_last else None,
     )
+
+
+def structured_sampling(tokenizer: tuple[str, str | None], vocab_size: int) -> StructuredSampling:
+    """The last stage's grammar matchers; the tokenizer is loaded when the first one is needed."""
+
+    def make_compiler() -> GrammarCompiler:
+        from asyncpp.structured.compiler import GrammarCompiler  # llguidance: only once a request needs it
+        from asyncpp.tokenizer.loader import load_tokenizer
+
+        return GrammarCompiler(load_tokenizer(tokenizer[0], tokenizer[1], vocab_size), vocab_size)
+
+    return StructuredSampling(make_compiler)

@@ -10,6 +10,7 @@ import pytest
 
 from asyncpp.core.request import Request, RequestStatus
 from asyncpp.kv_transfer.base import ConnectorContext, PlanInfo
+from asyncpp.kv_transfer.metadata import BlockTransfer
 from asyncpp.kv_transfer.pd.params import RemotePrefill, tokens_digest
 from asyncpp.kv_transfer.pd.scheduler import PDScheduler
 from asyncpp.sampling.params import SamplingParams
@@ -51,16 +52,20 @@ def test_a_producer_restart_changes_its_generation_and_key_and_republishes_its_r
     before = producer.engine_handshake()
     params = handed_out(producer)
     assert before.generation == 0 and params["generation"] == 0
+    producer._unsent_transfers.append(BlockTransfer("p9", [], [], remote_engine_id="decode", nonce="ab"))
     producer.forget_transfers()
     assert producer.engine_handshake() is None  # until the new stages publish theirs
     assert producer.has_unsent_metadata()
     meta = producer.build_connector_meta(PlanInfo(1, [], {}, {}))
     assert [h.engine_id for h in meta.remote_engines] == ["decode"] and meta.send_nonces == {}
+    assert [t.request_id for t in meta.loads] == ["p9"]  # a release still goes
     producer.set_xfer_handshake_metadata_pp_aware({(rank, 0): stage(rank, *RANGES[rank]) for rank in range(2)})
     after = producer.engine_handshake()
     assert after.generation == 1 and after.params_key != before.params_key
     assert handed_out(producer, "p2")["generation"] == 1
     assert producer.stats()["pd_generation"] == 1
+    producer.forget_transfers()
+    assert producer.generation == 2
 
 
 def test_a_consumer_refuses_params_of_another_generation_by_name():
@@ -120,9 +125,12 @@ def test_a_consumer_restart_computes_bound_requests_and_releases_their_producer(
     assert consumer.get_num_new_matched_tokens(fresh, 0) == (40, True)  # not bound before: pulls
     meta = consumer.build_connector_meta(PlanInfo(1, [], {}, {}))
     assert [h.engine_id for h in meta.remote_engines] == ["prefill"]  # the new stages learn it again
-    releases = {t.request_id: t for t in meta.loads}
-    assert set(releases) == {"c1", "c2"} and all(t.block_ids == [] for t in releases.values())
-    assert releases["c1"].nonce == params["nonce"] and releases["c1"].remote_request_id == "p1"
+    assert [(t.request_id, t.block_ids) for t in meta.loads] == [("c1", []), ("c2", [])]  # the unsent pull dropped
+    release = meta.loads[0]
+    assert (release.remote_engine_id, release.remote_request_id, release.nonce) == ("prefill", "p1", params["nonce"])
     assert consumer.stats()["pd_num_computed_here"] == 2
     assert consumer.engine_handshake() is None and consumer.generation == 1
+    consumer.forget_transfers()  # a second restart: nothing bound since, and c1 and c2 still compute
+    assert consumer.get_num_new_matched_tokens(bound, 0) == (0, False) and consumer.generation == 2
+    assert consumer.build_connector_meta(PlanInfo(2, [], {}, {})).loads == []
     assert tokens_digest(PROMPT) == params["tokens_sha256"] and time.time() < params["expires_at"]

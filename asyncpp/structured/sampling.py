@@ -1,0 +1,124 @@
+"""`StructuredSampling`: the sampling stage's grammar matchers, and the masks they put on logits.
+
+Runs where tokens are sampled (the last pipeline stage), beside the
+sampling states: a request that asked for structured output gets a matcher
+when it arrives (or arrives again after a preemption or a stage restart:
+rebuilt from the tokens it has so far), and the matcher is advanced on the
+tokens this stage samples, in the order it samples them. So async
+scheduling (the next plan made before this step's tokens are known) and the
+hand-off of sampled tokens to the first stage change nothing: no other
+process holds grammar state.
+
+`mask` returns logits where every token the grammar forbids is -inf, before
+any penalty, temperature or filter: the sampler and the rejection sampler
+then draw as they always do. A request verifying drafts owns 1 + d rows:
+row j is masked as the grammar stands after drafts 1..j (consumed for the
+mask, then rolled back), so a draft the grammar forbids can never equal the
+target's token and is rejected; rows past a forbidden draft are never used
+and stay as they are. Logprobs stay the raw model's (vLLM's default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncpp.logging import get_logger
+from asyncpp.sampling.structured import StructuredOutputs
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from asyncpp.structured.compiler import GrammarCompiler
+
+
+class StructuredSampling:
+    def __init__(self, make_compiler: Callable[[], GrammarCompiler]) -> None:
+        """`make_compiler` is called once, when the first request asks for structured output (it
+        loads the tokenizer: a stage that never sees one never pays for it)."""
+        self._make_compiler = make_compiler
+        self._compiler: GrammarCompiler | None = None
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self.log = get_logger(role="stage", component="structured")
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler
+
+    def start(self, request_id: str, spec: StructuredOutputs, output_token_ids: Sequence[int]) -> None:
+        """A request (new, or back with the tokens it has so far) gets its matcher."""
+        matcher = self.compiler.matcher(spec)
+        for token_id in output_token_ids:
+            self._consume(request_id, matcher, token_id)
+        self._matchers[request_id] = matcher
+
+    def finish(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def has_any(self, request_ids: Sequence[str]) -> bool:
+        return bool(self._matchers) and any(r in self._matchers for r in request_ids)
+
+    def advance(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """The tokens this stage sampled for the request (accepted drafts, then one more)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is not None:
+            for token_id in token_ids:
+                self._consume(request_id, matcher, token_id)
+
+    def mask(
+        self, request_ids: Sequence[str], logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """`logits` ([rows, vocab], each request's 1 + drafts rows in order) with what the grammars
+        forbid at -inf: a new tensor where any row is masked, else `logits` itself."""
+        rows: list[int] = []
+        allowed: list[torch.Tensor] = []
+        row = 0
+        for i, request_id in enumerate(request_ids):
+            drafts = draft_token_ids[i] if draft_token_ids is not None else ()
+            matcher = self._matchers.get(request_id)
+            if matcher is not None:
+                masks = self._row_masks(request_id, matcher, drafts)
+                rows.extend(range(row, row + len(masks)))
+                allowed.extend(masks)
+            row += 1 + len(drafts)
+        if not rows:
+            return logits
+        vocab_size = logits.shape[1]
+        forbidden = ~torch.stack(allowed)[:, :vocab_size].to(logits.device)
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        masked = logits.clone()
+        masked[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        return masked
+
+    def _row_masks(self, request_id: str, matcher: llguidance.LLMatcher, drafts: Sequence[int]) -> list[torch.Tensor]:
+        """The allowed tokens of row 0, then of each row whose draft before it the grammar allows."""
+        masks = [_allowed(matcher)]
+        if not masks[0].any():  # an error state (never for tokens its own masks allowed): end the answer
+            self.log.error("grammar_allows_nothing", request_id=request_id, error=matcher.get_error())
+            masks[0][self.compiler.eos_token_id] = True
+            return masks
+        num_consumed = 0
+        for draft in drafts:
+            if not (0 <= draft < len(masks[-1]) and masks[-1][draft]) or not matcher.consume_token(draft):
+                break
+            num_consumed += 1
+            masks.append(_allowed(matcher))
+        if num_consumed and not matcher.rollback(num_consumed):
+            self.log.error("grammar_rollback_failed", request_id=request_id, error=matcher.get_error())
+        return masks
+
+    def _consume(self, request_id: str, matcher: llguidance.LLMatcher, token_id: int) -> None:
+        if not matcher.consume_token(token_id):  # never for a token its own mask allowed
+            self.log.error("grammar_token_refused", request_id=request_id, token_id=token_id, error=matcher.get_error())
+
+    def stats(self) -> dict[str, object]:
+        return {"grammar_num_matchers": len(self._matchers), **(self._compiler.stats() if self._compiler else {})}
+
+
+def _allowed(matcher: llguidance.LLMatcher) -> torch.Tensor:
+    """[vocab] bool: the tokens the matcher allows next (only end-of-sequence once it is done)."""
+    return torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0

@@ -1,0 +1,97 @@
+"""`StructuredSampling`: the sampling stage's matchers mask exactly what their grammar forbids, row by
+row for drafts (consumed for the masks, then rolled back), and follow the tokens sampled."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncpp.sampling.structured import StructuredOutputs
+from asyncpp.structured.sampling import StructuredSampling
+
+CHOICE = StructuredOutputs.from_dict({"choice": ["abc", "abd", "b"]})
+NEG_INF = float("-inf")
+
+
+def sampling(compiler) -> StructuredSampling:
+    made = []
+
+    def make():
+        made.append(1)
+        return compiler
+
+    structured = StructuredSampling(make)
+    assert made == []  # nothing loaded until a request asks
+    return structured
+
+
+def ids(compiler, text: str) -> list[int]:
+    return compiler.lltokenizer.tokenize_bytes(text.encode())
+
+
+def allowed_after(compiler, prefix: str) -> set[int]:
+    matcher = compiler.matcher(CHOICE)
+    assert matcher.consume_tokens(ids(compiler, prefix))
+    return {i for i, v in enumerate(matcher.compute_logit_bias()) if v}
+
+
+def masked_rows(logits: torch.Tensor) -> list[set[int]]:
+    return [set(torch.nonzero(row != NEG_INF).flatten().tolist()) for row in logits]
+
+
+def test_rows_are_masked_per_request_and_others_untouched(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    logits = torch.randn(3, compiler.vocab_size)
+    assert structured.has_any(["x", "s"]) and not structured.has_any(["x"])
+    assert structured.mask(["x", "y"], logits) is logits  # nobody structured: no copy
+    masked = structured.mask(["x", "s", "y"], logits)
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert masked_rows(masked[1:2]) == [allowed_after(compiler, "")] and allowed_after(compiler, "") < set(range(300))
+    keep = masked[1] != NEG_INF
+    assert torch.equal(masked[1][keep], logits[1][keep])  # the allowed logits themselves unchanged
+    assert structured.stats()["grammar_num_matchers"] == 1
+
+
+def test_draft_rows_follow_the_drafts_and_the_matcher_is_rolled_back(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    drafts = ids(compiler, "ab")
+    logits = torch.zeros(1 + len(drafts) + 1, compiler.vocab_size)  # s: 1 + 2 rows; then t: 1 row
+    masked = structured.mask(["s", "t"], logits, [drafts, []])
+    assert masked_rows(masked[:3]) == [allowed_after(compiler, ""), allowed_after(compiler, "a"), allowed_after(compiler, "ab")]
+    assert masked_rows(masked[3:]) == [set(range(compiler.vocab_size))]
+    again = structured.mask(["s", "t"], logits, [drafts, []])
+    assert torch.equal(again, masked)  # the drafts were not kept
+
+
+def test_a_forbidden_draft_leaves_the_rows_after_it_as_they_are(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    drafts = ids(compiler, "c") + ids(compiler, "a")  # "c" starts no choice
+    logits = torch.randn(3, compiler.vocab_size)
+    masked = structured.mask(["s"], logits, [drafts])
+    assert masked_rows(masked[:1]) == [allowed_after(compiler, "")]
+    assert drafts[0] not in masked_rows(masked[:1])[0]  # the target can never equal it: rejected
+    assert torch.equal(masked[1:], logits[1:])
+
+
+def test_the_matcher_follows_sampled_tokens_and_a_restart_rebuilds_it(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    structured.advance("s", ids(compiler, "a"))
+    structured.advance("s", ids(compiler, "b"))
+    logits = torch.zeros(1, compiler.vocab_size)
+    after_ab = masked_rows(structured.mask(["s"], logits))
+    assert after_ab == [allowed_after(compiler, "ab")]
+    structured.start("s", CHOICE, ids(compiler, "ab"))  # back after a preemption, with its tokens
+    assert masked_rows(structured.mask(["s"], logits)) == after_ab
+    structured.advance("unknown", [5])  # no matcher: nothing
+    structured.finish("s")
+    assert not structured.has_any(["s"])
+
+
+def test_a_matcher_in_error_allows_only_the_end(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, ids(compiler, "zz"))  # refused: logged, the matcher is in error
+    masked = structured.mask(["s"], torch.zeros(1, compiler.vocab_size))
+    assert masked_rows(masked) == [{compiler.eos_token_id}]
