@@ -81,9 +81,9 @@ class InputProcessor:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The prompt's token ids (a chat gets the template); `InvalidRequestError` if unusable."""
-        return self._tokenize(prompt)
+        return self._tokenize(prompt, tools)
 
     def check_text_length(self, text: str, field: str = "prompt") -> None:
         """Refuse a text that cannot fit `max_model_len` tokens whatever its tokens, without tokenizing it.
@@ -143,7 +143,7 @@ class InputProcessor:
             return None
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: Prompt, tools: list[dict[str, Any]] | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "prompt is empty")
@@ -152,7 +152,7 @@ class InputProcessor:
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             self.check_chat_size(prompt)
             try:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tools=tools)
             except ValueError as e:
                 raise InvalidRequestError("messages", str(e)) from e
             self.check_text_length(text, "messages")

@@ -54,7 +54,8 @@ from asyncpp.http.front_door import (
     unless_disconnected,
 )
 from asyncpp.http.metrics import HttpMetrics, RequestTimes
-from asyncpp.http.protocol import ChatCompletionRequest, CompletionRequest, one_prompt
+from asyncpp.http.protocol import ChatCompletionRequest, CompletionRequest, one_prompt, structured_fields
+from asyncpp.http.tool_calls import ToolRequest
 from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams, check_list_lengths
 from asyncpp.wire.client_msgs import RequestDelta
@@ -196,7 +197,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest, check_prompt_size)
-        rename = {"prompt_token_ids": "prompt"}
+        rename = {"prompt_token_ids": "prompt", **structured_fields(req)}
         try:
             prompt_ids = await tokenize(req.engine_prompt())
             params = req.sampling_dict(default_max_tokens(req.max_tokens, prompt_ids), req.logprobs)
@@ -208,23 +209,28 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest, check_chat_size)
-        rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs"}
+        rename = {"prompt": "messages", "prompt_token_ids": "messages", "logprobs": "top_logprobs", **structured_fields(req)}
         if req.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
+        tools = None
         try:
             logprobs = req.logprobs_count()
-            prompt_ids = await tokenize(req.engine_prompt())
+            tools = req.tool_request()
+            prompt_ids = await tokenize(req.engine_prompt(), tools.tools if tools is not None else None)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             params = req.sampling_dict(default_max_tokens(max_tokens, prompt_ids), logprobs)
+            if tools is not None and (structured := tools.structured_outputs()) is not None:
+                params["structured_outputs"] = structured
+                rename["structured_outputs.json"] = tools.field
             check(prompt_ids, params)
         except InvalidRequestError as e:
             raise invalid(e, rename) from e
-        return await serve(request, req, prompt_ids, params, True, rename)
+        return await serve(request, req, prompt_ids, params, True, rename, tools)
 
-    async def tokenize(prompt: str | list[int] | list[dict[str, str]]) -> list[int]:
+    async def tokenize(prompt: str | list[int] | list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         if tokenizes_off_loop(prompt):  # (one that cannot fit is refused by its length at once)
-            return await asyncio.get_running_loop().run_in_executor(None, processor.tokenize, prompt)
-        return processor.tokenize(prompt)
+            return await asyncio.get_running_loop().run_in_executor(None, processor.tokenize, prompt, tools)
+        return processor.tokenize(prompt, tools)
 
     def check(prompt_ids: list[int], params: dict[str, Any]) -> None:
         """What the engine would refuse: bad sampling values, a prompt and answer over max_model_len."""
@@ -237,7 +243,7 @@ def build_app(
         return max_tokens if max_tokens is not None else max(1, settings.max_model_len - len(prompt_ids))
 
     async def serve(request: Request, req, prompt_ids: list[int], params: dict[str, Any], chat: bool,
-                    rename: dict[str, str]) -> Response:  # fmt: skip
+                    rename: dict[str, str], tools: ToolRequest | None = None) -> Response:  # fmt: skip
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         door.enter()
         try:
@@ -250,7 +256,7 @@ def build_app(
         try:
             first = await unless_disconnected(request, exchange.next())
             log.debug("http_request", request_id=request_id, chat=chat, stream=req.stream, num_prompt_tokens=len(prompt_ids))
-            formatter = Formatter(request_id, int(time.time()), settings.served_model_name, chat, tokens, token_bytes)
+            formatter = Formatter(request_id, int(time.time()), settings.served_model_name, chat, tokens, token_bytes, tools)
             if req.stream:
                 events = sse(exchange, first, formatter, req.include_usage, rename)
                 response = _EngineStream(events, exchange.close, media_type="text/event-stream")
@@ -270,12 +276,14 @@ def build_app(
 
     async def sse(exchange: _Exchange, first: RequestDelta, formatter: Formatter, include_usage: bool,
                   rename: dict[str, str]) -> AsyncIterator[str]:  # fmt: skip
-        yield formatter.sse(formatter.chunk(first, is_first=True))
+        for chunk in formatter.chunks(first, is_first=True):
+            yield formatter.sse(chunk)
         try:
             if not first.finished:
                 async for delta in exchange.stream:
                     exchange.record(delta)
-                    yield formatter.sse(formatter.chunk(delta))
+                    for chunk in formatter.chunks(delta):
+                        yield formatter.sse(chunk)
             if include_usage:
                 yield formatter.sse(formatter.usage_chunk(exchange.times))
         except Exception as e:  # noqa: BLE001 - the status line is gone: the error travels as an event

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from asyncpp.http.metrics import RequestTimes
+from asyncpp.http.tool_calls import ToolCallStream, ToolRequest
 from asyncpp.wire.client_msgs import RequestDelta
 
 
@@ -21,9 +22,12 @@ def token_string(raw: bytes) -> str:
 class Formatter:
     """OpenAI's response shapes for one request."""
 
-    def __init__(self, request_id: str, created: int, model: str, chat: bool, tokens: list[str], token_bytes: list[bytes]):
+    def __init__(self, request_id: str, created: int, model: str, chat: bool, tokens: list[str], token_bytes: list[bytes],
+                 tools: ToolRequest | None = None):  # fmt: skip
         self.request_id, self.created, self.model, self.chat = request_id, created, model, chat
         self.tokens, self.token_bytes = tokens, token_bytes
+        self.tools = tools if chat else None
+        self._tool_stream = ToolCallStream(tools) if self.tools is not None else None
 
     @staticmethod
     def sse(payload: dict[str, Any]) -> str:
@@ -68,6 +72,25 @@ class Formatter:
             choice["stop_reason"] = delta.stop_reason
         return {**self._base(chunk=True), "choices": [choice]}
 
+    def chunks(self, delta: RequestDelta, is_first: bool = False) -> list[dict[str, Any]]:
+        """The stream's chunks for one delta: one, or with tools as many as its `delta`s (tool calls
+        come as their arguments are generated, or once the answer is whole)."""
+        if self._tool_stream is None:
+            return [self.chunk(delta, is_first)]
+        stream = self._tool_stream
+        messages = stream.deltas(delta.text, is_first, delta.finished)
+        if delta.finished and not messages:
+            messages = [{}]
+        chunks = []
+        for i, message in enumerate(messages):
+            is_last = delta.finished and i == len(messages) - 1
+            finish = _tool_finish(delta.finish_reason, stream.num_calls) if is_last else None
+            choice = {"index": 0, "delta": message, "logprobs": self._logprobs([delta]) if i == 0 else None, "finish_reason": finish}
+            if is_last and delta.stop_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            chunks.append({**self._base(chunk=True), "choices": [choice]})
+        return chunks
+
     def usage(self, times: RequestTimes) -> dict[str, int]:
         return {
             "prompt_tokens": times.num_prompt_tokens,
@@ -83,10 +106,19 @@ class Formatter:
         last = deltas[-1]
         finish = last.finish_reason if last.finished else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self._logprobs(deltas),
-                      "finish_reason": finish}  # fmt: skip
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                calls, content = self.tools.calls(text)
+                message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+                finish = _tool_finish(finish, len(calls))
+            choice = {"index": 0, "message": message, "logprobs": self._logprobs(deltas), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self._logprobs(deltas), "finish_reason": finish}
         if last.stop_reason is not None:
             choice["stop_reason"] = last.stop_reason
         return {**self._base(chunk=False), "choices": [choice], "usage": self.usage(times)}
+
+
+def _tool_finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """OpenAI's: an answer that ended in tool calls finishes with "tool_calls"."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason

@@ -4,10 +4,12 @@ Fields a vLLM user sends are accepted; fields OpenAI does not know are
 ignored like OpenAI's own server does, wrong types are a 400 naming the
 field. Types are strict: a number is never a string ("0.5"), floats are
 finite, and integers fit 64 bits (the engine's frames carry no larger).
-OpenAI's fields that asyncpp does not implement (`UNSUPPORTED`: tools,
-response formats, logit bias, ...) are a 400 naming the field unless they ask
-for nothing (`tools: []`, `response_format: {"type": "text"}`, null), so
-that a client never takes plain text for what it asked. `stream_options`
+OpenAI's fields that asyncpp does not implement (`UNSUPPORTED`: the
+deprecated `functions`, logit bias, audio, ...) are a 400 naming the field
+unless they ask for nothing (`logit_bias: {}`, null), so that a client never
+takes plain text for what it asked. `response_format` (JSON object, JSON
+schema) and vLLM's `structured_outputs` constrain the answer
+(`asyncpp.structured`); `tools` and `tool_choice` are `http.tool_calls`'. `stream_options`
 is allowed only with `stream: true`, as OpenAI's API says. `n > 1` and
 several prompts in one completion request are refused clearly (400).
 """
@@ -21,6 +23,7 @@ from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBo
 from pydantic_core import PydanticCustomError
 
 from asyncpp.errors import InvalidRequestError
+from asyncpp.http.tool_calls import ToolRequest
 
 Int = Annotated[int, Strict(), Field(ge=-(2**63), lt=2**63)]
 Float = Annotated[float, Strict(), AllowInfNan(False)]
@@ -29,11 +32,8 @@ Float = Annotated[float, Strict(), AllowInfNan(False)]
 # OpenAI's fields asyncpp does not implement -> (whether a value asks for nothing, what to send instead).
 # null always asks for nothing. Chat's and completions' fields are all here: a model declares its own.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (lambda v: v == [], "[]"),
-    "tool_choice": (lambda v: v in ("none", "auto"), '"none"'),  # "auto" with no tool: nothing to call
-    "functions": (lambda v: v == [], "[]"),
-    "function_call": (lambda v: v in ("none", "auto"), '"none"'),
-    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'),
+    "functions": (lambda v: v == [], "[] (or tools)"),
+    "function_call": (lambda v: v in ("none", "auto"), '"none" (or tool_choice)'),
     "logit_bias": (lambda v: v == {}, "{}"),
     "audio": (lambda v: False, "null"),
     "modalities": (lambda v: v == ["text"], '["text"]'),
@@ -88,8 +88,9 @@ class _Common(BaseModel):
     user: str | None = None
     logit_bias: Any = None
     response_format: Any = None
+    structured_outputs: Any = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
 
-    refuse_unsupported_common = field_validator("logit_bias", "response_format")(_refuse_unsupported)
+    refuse_unsupported_common = field_validator("logit_bias")(_refuse_unsupported)
 
     @field_validator("stream_options")
     @classmethod
@@ -118,6 +119,13 @@ class _Common(BaseModel):
         }
         if max_tokens is not None:
             params["max_tokens"] = max_tokens
+        structured = response_format_outputs(self.response_format)
+        if self.structured_outputs is not None:
+            if structured is not None:
+                raise InvalidRequestError("structured_outputs", "structured_outputs and a response_format other than text: send one")
+            structured = self.structured_outputs
+        if structured is not None:
+            params["structured_outputs"] = structured
         return params
 
     @property
@@ -144,6 +152,34 @@ class CompletionRequest(_Common):
         return prompt
 
 
+def response_format_outputs(value: Any) -> dict[str, Any] | None:
+    """OpenAI's `response_format` as `structured_outputs` (None: free text)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format.json_schema.schema", "response_format.json_schema.schema must be a JSON schema object")
+        return {"json": schema}
+    raise InvalidRequestError(
+        "response_format.type", f'response_format.type must be "text", "json_object" or "json_schema", got {kind!r}'
+    )
+
+
+def structured_fields(req: _Common) -> dict[str, str]:
+    """The request's own field for each error about its structured output (`response_format`'s)."""
+    kind = req.response_format.get("type") if isinstance(req.response_format, dict) else None
+    if req.structured_outputs is not None or kind not in ("json_object", "json_schema"):
+        return {}
+    return {"structured_outputs.json_object": "response_format", "structured_outputs.json": "response_format.json_schema.schema"}
+
+
 def one_prompt(prompts: list[Any]) -> Any:
     """The one prompt of a list of prompts; several are refused."""
     if len(prompts) != 1:
@@ -156,6 +192,16 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, for the chat template
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    name: str | None = None
+
+    def template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -175,7 +221,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
     top_logprobs: Int | None = None
-    parallel_tool_calls: StrictBool | None = None  # with no tools, nothing to call in parallel
+    parallel_tool_calls: StrictBool | None = None  # false: "required" makes one call at most
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -186,11 +232,21 @@ class ChatCompletionRequest(_Common):
     web_search_options: Any = None
 
     refuse_unsupported = field_validator(
-        "tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options"
+        "functions", "function_call", "audio", "modalities", "prediction", "web_search_options"
     )(_refuse_unsupported)
 
-    def engine_prompt(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def engine_prompt(self) -> list[dict[str, Any]]:
+        return [m.template_message() for m in self.messages]
+
+    def tool_request(self) -> ToolRequest | None:
+        tools = ToolRequest.parse(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if tools is not None and tools.is_forced and (self.response_format_asks or self.structured_outputs is not None):
+            raise InvalidRequestError("tool_choice", f"tool_choice {tools.choice!r} with a response_format or structured_outputs: send one")
+        return tools
+
+    @property
+    def response_format_asks(self) -> bool:
+        return response_format_outputs(self.response_format) is not None
 
     def logprobs_count(self) -> int | None:
         if not self.logprobs:

@@ -71,10 +71,13 @@ class ChatTemplate:
         self._token_vars = {name: token for name, token in
                             (("bos_token", bos_token), ("eos_token", eos_token)) if token is not None}
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """`tools`: OpenAI's tool definitions, as HF passes them (`tools` is undefined without)."""
         validate_messages(messages)
+        extra = {"tools": tools} if tools is not None else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **self._token_vars)
+                                         **self._token_vars, **extra)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template rejected the messages: {e}") from e

@@ -128,7 +128,7 @@ class Tokenizer:
     # -- chat --------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for `messages`; encode it with `add_special_tokens=False`
         when the template already writes BOS."""
         if self._chat_template_source is None:
@@ -137,4 +137,4 @@ class Tokenizer:
             self._chat_template = ChatTemplate(
                 self._chat_template_source, bos_token=self._token_text(self._bos_token_id),
                 eos_token=self._token_text(self._eos_token_id))
-        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt)
+        return self._chat_template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)

@@ -90,14 +90,25 @@ def test_a_consumer_refuses_params_of_another_generation_by_name():
 def test_params_admitted_before_their_producer_restarted_are_computed_not_pulled():
     producer, consumer = scheduler("producer", "prefill"), scheduler("consumer", "decode")
     consumer.add_remote_engine(producer.engine_handshake())
-    request = consumer_request(handed_out(producer))
+    request, other = consumer_request(handed_out(producer)), consumer_request(handed_out(producer, "p2"), "c2")
     assert consumer.get_num_new_matched_tokens(request, 0) == (40, True)
     producer.forget_transfers()
     producer.set_xfer_handshake_metadata_pp_aware({(rank, 0): stage(rank, *RANGES[rank]) for rank in range(2)})
     consumer.add_remote_engine(producer.engine_handshake())
     assert consumer.get_num_new_matched_tokens(request, 0) == (0, False)
     assert consumer.get_num_new_matched_tokens(request, 16) == (0, False)
-    assert consumer.stats()["pd_num_computed_here"] == 1
+    assert consumer.get_num_new_matched_tokens(other, 0) == (0, False)
+    assert consumer.stats()["pd_num_computed_here"] == 2
+
+
+@pytest.mark.parametrize("generation", ["1", True, -1, 1.5, None])
+def test_a_generation_that_is_not_a_count_is_refused(generation):
+    params = handed_out(scheduler("producer", "prefill"))
+    with pytest.raises(TypeError, match="kv_transfer_params.generation must be an int >= 0"):
+        RemotePrefill.parse({**params, "generation": generation})
+    without = {k: v for k, v in params.items() if k != "generation"}
+    with pytest.raises(ValueError, match=r"missing keys \['generation'\]"):
+        RemotePrefill.parse(without)
 
 
 def test_the_same_handshake_again_changes_nothing():
@@ -132,5 +143,6 @@ def test_a_consumer_restart_computes_bound_requests_and_releases_their_producer(
     assert consumer.engine_handshake() is None and consumer.generation == 1
     consumer.forget_transfers()  # a second restart: nothing bound since, and c1 and c2 still compute
     assert consumer.get_num_new_matched_tokens(bound, 0) == (0, False) and consumer.generation == 2
+    assert consumer.stats()["pd_num_computed_here"] == 2  # counted once
     assert consumer.build_connector_meta(PlanInfo(2, [], {}, {})).loads == []
     assert tokens_digest(PROMPT) == params["tokens_sha256"] and time.time() < params["expires_at"]
