@@ -45,8 +45,13 @@ class LoadResult:
     killed_at: float | None = None  # `kill`: when the stage was killed (monotonic s); None: it was not
 
 
-def sampling_params(output_len: int, ignore_eos: bool, temperature: float) -> dict[str, Any]:
-    return {"max_tokens": output_len, "temperature": temperature, "ignore_eos": ignore_eos}
+def sampling_params(
+    output_len: int, ignore_eos: bool, temperature: float, structured_outputs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    params = {"max_tokens": output_len, "temperature": temperature, "ignore_eos": ignore_eos}
+    if structured_outputs is not None:
+        params["structured_outputs"] = structured_outputs
+    return params
 
 
 def arrival_gaps_s(num_requests: int, request_rate: float, seed: int) -> list[float]:
@@ -154,6 +159,7 @@ async def run_load(
     on_done: Callable[[RequestRecord], None] = lambda r: None,
     backend: OpenAIBackend | None = None,
     kill: StageKill | None = None,
+    structured_outputs: dict[str, Any] | None = None,
 ) -> LoadResult:
     """Through the native client, or through `backend` (HTTP) when given. Engine stats come from
     `address` (the native client); with no address (an outside server) they are empty."""
@@ -171,7 +177,7 @@ async def run_load(
         cpu_before = CpuSnapshot.take(stats_before.get("stage_pids", []))
 
         async def send(request: BenchRequest) -> RequestRecord:
-            return await send_with(request, sampling_params(request.output_len, ignore_eos, temperature))
+            return await send_with(request, sampling_params(request.output_len, ignore_eos, temperature, structured_outputs))
 
         on_start()
         started = time.monotonic()

@@ -56,6 +56,8 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True},
             "ignore_eos": params.get("ignore_eos", False),  # vLLM, SGLang and asyncpp read it; others ignore it
         }
+        if "structured_outputs" in params:  # vLLM's name: vLLM, SGLang (as extra body) and asyncpp read it
+            body["structured_outputs"] = params["structured_outputs"]
         body["messages" if is_chat else "prompt"] = request.prompt
         url = f"{self.base_url}/{'chat/completions' if is_chat else 'completions'}"
         record = RequestRecord(expected_output_len=request.output_len, sent_at=time.monotonic())

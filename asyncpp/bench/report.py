@@ -89,6 +89,11 @@ def run_block(run: dict[str, Any]) -> str:
     if run.get("kv_transfer"):
         lines.append(" KV connector (measured window) ".center(WIDTH, "-"))
         lines += kv_lines(run["kv_transfer"])
+    if grammar := run.get("structured"):
+        lines.append(" Structured outputs (JSON schema) ".center(WIDTH, "-"))
+        row("Grammar compile, first / cached (ms):", f"{fmt(grammar['compile_first_s'] * 1e3, 3)} / {fmt(grammar['compile_cached_s'] * 1e3, 3)}")
+        row("Grammar tokenizer build (ms):", fmt(grammar["tokenizer_s"] * 1e3, 1))
+        row("Engine compiles / cache hits:", f"{grammar['engine_num_compiled']} / {grammar['engine_num_cache_hits']}")
     if rec := run.get("recovery"):
         lines.append(" Stage killed mid-run ".center(WIDTH, "-"))
         row("Kill -> next token (s):", fmt(rec["kill_to_next_token_s"]))

@@ -26,6 +26,19 @@ ALIASES = {
     "backend": "bench.backend",  # not a config key: how the bench talks to this run (native | openai)
     "tree": "bench.tree",  # not a config key: the checkout of asyncpp this run's engine imports (another revision)
     "kill": "bench.kill_stage",  # not a config key: RANK@SECONDS, a stage killed mid-run (`asyncpp.bench.stage_kill`)
+    "structured": "bench.structured",  # not a config key: json, every request under the bench's JSON schema
+}
+# `structured=json`: a list of at least 64 word records, longer than any benchmark's answer: the
+# grammar constrains every token generated (`asyncpp.structured`).
+BENCH_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"word": {"type": "string", "maxLength": 16}, "count": {"type": "integer"}, "kind": {"enum": ["noun", "verb", "other"]}},
+        "required": ["word", "count", "kind"],
+        "additionalProperties": False,
+    },
+    "minItems": 64,
 }
 
 
@@ -45,6 +58,15 @@ class RunSpec:
         """`kill=RANK@SECONDS`: that stage is killed that long after the requests start; None: not."""
         value = dict(self.overrides).get("bench.kill_stage")
         return None if value is None else StageKill.parse(value)
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """`structured=json`: what every request is generated under; None: free text."""
+        value = dict(self.overrides).get("bench.structured")
+        if value is None:
+            return None
+        if value != "json":
+            raise ValueError(f"run {self.label!r}: structured must be json, got {value!r}")
+        return {"json": BENCH_SCHEMA}
 
     def tree(self) -> Path | None:
         """`tree=PATH`: the run's engine imports asyncpp from that checkout (a worktree of another

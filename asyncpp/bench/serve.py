@@ -76,6 +76,7 @@ from asyncpp.bench.runs import RunSpec, parse_runs, run_sections, to_toml, valid
 from asyncpp.bench.shared_prefix import cold_warm_ttft, prefix_group, shared_prefix_requests
 from asyncpp.bench.spec_report import spec_section
 from asyncpp.bench.stage_kill import recovery_section
+from asyncpp.bench.structured_report import grammar_section
 from asyncpp.engine.compute_plan import resolve_compute_plan
 from asyncpp.kernels.isa import cpu_info
 from asyncpp.profiling import profiled
@@ -188,6 +189,7 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
                     on_start=lambda: bars.append(Progress(len(requests), f"[{run.label}] requests", "req")),
                     on_done=lambda _: bars[0].update(),
                     kill=run.stage_kill(),
+                    structured_outputs=run.structured_outputs(),
                 )
             )
         finally:
@@ -225,6 +227,9 @@ def bench_run(run: RunSpec, args: argparse.Namespace, requests, warmup, config_p
             "stage_pids": after.get("stage_pids", []),
             "run_id": after.get("run_id"),
         },
+        "structured": (
+            grammar_section(config, run.structured_outputs(), after) if run.structured_outputs() is not None else None
+        ),
         "recovery": (
             recovery_section(load.records, load.killed_at, load.stats_before, after) if load.killed_at else None
         ),

@@ -73,6 +73,10 @@ class InputProcessor:
         if params.structured_outputs is not None:  # its schema or grammar compiles (cached), or a 400
             self.grammars.check(params.structured_outputs)
 
+    def grammar_stats(self) -> dict[str, Any]:
+        """The grammar compiler's counts (nothing before the first structured request)."""
+        return self._grammars.stats() if self._grammars is not None else {}
+
     @property
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
@@ -152,7 +156,8 @@ class InputProcessor:
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             self.check_chat_size(prompt)
             try:
-                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tools=tools)
+                extra = {"tools": tools} if tools is not None else {}  # for templates that take them
+                text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **extra)
             except ValueError as e:
                 raise InvalidRequestError("messages", str(e)) from e
             self.check_text_length(text, "messages")

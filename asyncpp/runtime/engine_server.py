@@ -292,6 +292,7 @@ class EngineServer:
             "run_id": self.stages.addresses.run_id,
             **self._compute_stats(),
             **self.core.kv_stats(),
+            **self.core.input_processor.grammar_stats(),
             **({"layer_balance": window.balancer.stats()} if window.balancer is not None else {}),
         }
 

@@ -16,6 +16,11 @@ row j is masked as the grammar stands after drafts 1..j (consumed for the
 mask, then rolled back), so a draft the grammar forbids can never equal the
 target's token and is rejected; rows past a forbidden draft are never used
 and stay as they are. Logprobs stay the raw model's (vLLM's default).
+
+A grammar that is complete allows end-of-sequence alone, so the answer ends
+there (`finish_reason: "stop"`). A request that ignores end-of-sequence
+(`ignore_eos`, benchmarks) goes on unconstrained past that point, as vLLM's
+does: its matcher is done and masks nothing more.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class StructuredSampling:
         self._make_compiler = make_compiler
         self._compiler: GrammarCompiler | None = None
         self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._ignores_eos: set[str] = set()  # requests that go on past a complete grammar
         self.log = get_logger(role="stage", component="structured")
 
     @property
@@ -49,15 +55,19 @@ class StructuredSampling:
             self._compiler = self._make_compiler()
         return self._compiler
 
-    def start(self, request_id: str, spec: StructuredOutputs, output_token_ids: Sequence[int]) -> None:
+    def start(
+        self, request_id: str, spec: StructuredOutputs, output_token_ids: Sequence[int], ignore_eos: bool = False
+    ) -> None:
         """A request (new, or back with the tokens it has so far) gets its matcher."""
         matcher = self.compiler.matcher(spec)
-        for token_id in output_token_ids:
-            self._consume(request_id, matcher, token_id)
+        if ignore_eos:
+            self._ignores_eos.add(request_id)
         self._matchers[request_id] = matcher
+        self.advance(request_id, output_token_ids)
 
     def finish(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._ignores_eos.discard(request_id)
 
     def has_any(self, request_ids: Sequence[str]) -> bool:
         return bool(self._matchers) and any(r in self._matchers for r in request_ids)
@@ -67,6 +77,8 @@ class StructuredSampling:
         matcher = self._matchers.get(request_id)
         if matcher is not None:
             for token_id in token_ids:
+                if self._is_done(request_id, matcher):
+                    break
                 self._consume(request_id, matcher, token_id)
 
     def mask(
@@ -80,7 +92,7 @@ class StructuredSampling:
         for i, request_id in enumerate(request_ids):
             drafts = draft_token_ids[i] if draft_token_ids is not None else ()
             matcher = self._matchers.get(request_id)
-            if matcher is not None:
+            if matcher is not None and not self._is_done(request_id, matcher):
                 masks = self._row_masks(request_id, matcher, drafts)
                 rows.extend(range(row, row + len(masks)))
                 allowed.extend(masks)
@@ -110,6 +122,10 @@ class StructuredSampling:
         if num_consumed and not matcher.rollback(num_consumed):
             self.log.error("grammar_rollback_failed", request_id=request_id, error=matcher.get_error())
         return masks
+
+    def _is_done(self, request_id: str, matcher: llguidance.LLMatcher) -> bool:
+        """Its grammar is complete and it ignores end-of-sequence: nothing more is masked."""
+        return request_id in self._ignores_eos and matcher.is_stopped()
 
     def _consume(self, request_id: str, matcher: llguidance.LLMatcher, token_id: int) -> None:
         if not matcher.consume_token(token_id):  # never for a token its own mask allowed

@@ -388,7 +388,7 @@ class ModelRunner:
             )
             spec = new.sampling_params.structured_outputs
             if spec is not None and self.structured is not None:
-                self.structured.start(new.request_id, spec, new.output_token_ids)
+                self.structured.start(new.request_id, spec, new.output_token_ids, new.sampling_params.ignore_eos)
 
 
 def _logprobs_lists(out, req_states: list[RequestSamplingState]) -> list[list[Logprobs] | None]:

@@ -206,13 +206,8 @@ MALFORMED = [  # (name, path, body bytes, headers, status, param, words)
      "repetition_penalty", "repetition_penalty must be in"),  # fmt: skip
     *[(f"{field} {json.dumps(value)} ({path[4:]})", path, {**base, **extra, field: value}, None, 400, field,
        "not supported") for (path, base), extra, field, value in [
-        (CHAT, {"tool_choice": "required"}, "tools", [{"type": "function", "function": {"name": "f"}}]),
-        (CHAT, {}, "tool_choice", "required"),
-        (CHAT, {}, "tool_choice", {"type": "function", "function": {"name": "f"}}),
         (CHAT, {}, "functions", [{"name": "f"}]),
         (CHAT, {}, "function_call", {"name": "f"}),
-        (CHAT, {}, "response_format", {"type": "json_object"}),
-        (COMPLETIONS, {}, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         (CHAT, {}, "logit_bias", {"5": 10}),
         (COMPLETIONS, {}, "logit_bias", {"5": -100}),
         (COMPLETIONS, {}, "suffix", "!"),
@@ -235,6 +230,25 @@ MALFORMED = [  # (name, path, body bytes, headers, status, param, words)
     ("stream_options unknown", "/v1/completions",
      {"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}}, None, 400, "stream_options",
      "not permitted"),  # fmt: skip
+    *[(f"{name} ({path[4:]})", path, {**base, **extra}, None, 400, param, words)
+      for name, (path, base), extra, param, words in [
+        ("tool_choice required, no tools", CHAT, {"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ("a tool's bad name", CHAT, {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name",
+         "must be 1-64"),
+        ("a tool that is not a function", CHAT, {"tools": [{"type": "retrieval"}]}, "tools[0].type", "must be"),
+        ("tool_choice naming no tool", CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}],
+         "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not in tools"),
+        ("a named tool's schema that does not compile", CHAT, {"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "nope"}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tools[0].function.parameters", "does not compile"),
+        ("response_format xml", COMPLETIONS, {"response_format": {"type": "xml"}}, "response_format.type", "must be"),
+        ("a response_format schema that does not compile", CHAT, {"response_format": {"type": "json_schema",
+         "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "response_format.json_schema.schema", "does not compile"),
+        ("a regex that does not compile", COMPLETIONS, {"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex",
+         "does not compile"),
+        ("structured_outputs and response_format", CHAT, {"structured_outputs": {"regex": "a"},
+         "response_format": {"type": "json_object"}}, "structured_outputs", "send one"),
+    ]],  # fmt: skip
     ('parallel_tool_calls "yes"', "/v1/chat/completions", {"messages": MESSAGES, "parallel_tool_calls": "yes"}, None, 400,
      "parallel_tool_calls", "valid boolean"),  # fmt: skip
 ]

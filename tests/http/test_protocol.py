@@ -11,14 +11,11 @@ from asyncpp.http.protocol import UNSUPPORTED, ChatCompletionRequest, Completion
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"prompt": "hi"}
-CHAT_ONLY = {"tools", "tool_choice", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
+CHAT_ONLY = {"functions", "function_call", "audio", "modalities", "prediction", "web_search_options"}
 COMPLETION_ONLY = {"suffix", "best_of"}
 ASKS_SOMETHING = {
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required",
     "functions": [{"name": "f"}],
     "function_call": {"name": "f"},
-    "response_format": {"type": "json_object"},
     "logit_bias": {"7": 100},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
@@ -28,8 +25,7 @@ ASKS_SOMETHING = {
     "best_of": 3,
 }
 ASKS_NOTHING = {
-    "tools": [[]], "tool_choice": ["none", "auto"], "functions": [[]], "function_call": ["none", "auto"],
-    "response_format": [{"type": "text"}], "logit_bias": [{}], "modalities": [["text"]], "suffix": [""],
+    "functions": [[]], "function_call": ["none", "auto"], "logit_bias": [{}], "modalities": [["text"]], "suffix": [""],
     "best_of": [1], "audio": [], "prediction": [], "web_search_options": [],
 }  # fmt: skip
 
@@ -49,7 +45,7 @@ def refusal(model, body: dict) -> dict:
 
 
 def test_the_lists_cover_every_unsupported_field():
-    assert set(ASKS_SOMETHING) == set(ASKS_NOTHING) == set(UNSUPPORTED) == CHAT_ONLY | COMPLETION_ONLY | {"response_format", "logit_bias"}
+    assert set(ASKS_SOMETHING) == set(ASKS_NOTHING) == set(UNSUPPORTED) == CHAT_ONLY | COMPLETION_ONLY | {"logit_bias"}
 
 
 @pytest.mark.parametrize("field", sorted(ASKS_SOMETHING))
@@ -59,7 +55,7 @@ def test_an_unsupported_field_that_asks_for_something_is_refused_naming_it(field
     assert error["loc"] == (field,) and error["type"] == "unsupported", error
     instead = UNSUPPORTED[field][1]
     assert error["msg"] == f"not supported by asyncpp (leave it out or send {instead})"
-    if field in ("response_format", "logit_bias"):  # both endpoints have it
+    if field == "logit_bias":  # both endpoints have it
         assert refusal(CompletionRequest, {**COMPLETION, field: ASKS_SOMETHING[field]})["loc"] == (field,)
 
 

@@ -95,3 +95,19 @@ def test_a_matcher_in_error_allows_only_the_end(compiler):
     structured.start("s", CHOICE, ids(compiler, "zz"))  # refused: logged, the matcher is in error
     masked = structured.mask(["s"], torch.zeros(1, compiler.vocab_size))
     assert masked_rows(masked) == [{compiler.eos_token_id}]
+
+
+def test_ignoring_eos_goes_on_unmasked_once_the_grammar_is_complete(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [], ignore_eos=True)
+    structured.start("t", CHOICE, [])
+    for request_id in ("s", "t"):
+        structured.advance(request_id, ids(compiler, "b"))  # "b": a whole choice
+    logits = torch.zeros(2, compiler.vocab_size)
+    masked = structured.mask(["s", "t"], logits)
+    assert masked_rows(masked) == [set(range(compiler.vocab_size)), {compiler.eos_token_id}]
+    structured.advance("s", ids(compiler, "zz"))  # past the grammar: nothing consumed, nothing refused
+    assert masked_rows(structured.mask(["s"], logits[:1])) == [set(range(compiler.vocab_size))]
+    structured.finish("s")
+    structured.start("s", CHOICE, ids(compiler, "b"))  # the same id again, not ignoring: masked
+    assert masked_rows(structured.mask(["s"], logits[:1])) == [{compiler.eos_token_id}]

@@ -4,6 +4,8 @@ and validates; pp = 2 with n-gram drafts gives the same tokens, and seeded sampl
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import re
 
@@ -135,3 +137,182 @@ def test_pp2_with_ngram_drafts_gives_the_same_tokens_greedy_and_seeded(greedy):
         two.close()
     for form, result in zip(FORMS, sampled):
         check(form, result.text)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_pd_pair_gives_the_same_tokens(greedy, temperature):
+    """The prefill engine samples the first token under the grammar, the decode engine goes on."""
+    pytest.importorskip("nixl_cu12")
+    one, _, expected = greedy
+    if temperature:
+        chats, params = requests(temperature)
+        expected = one.generate(chats, params)
+    producer = Engine(config(2).replace(kv_transfer={"connector": "pd", "kv_role": "producer", "engine_id": "prefill"}))
+    consumer = Engine(config(1).replace(kv_transfer={"connector": "pd", "kv_role": "consumer", "engine_id": "decode"}))
+    try:
+        consumer.kv_connector.add_remote_engine(producer.kv_connector.engine_handshake())
+        chats, params = requests(temperature)
+        handed = {}
+        for chat, p in zip(chats, params):
+            first = dataclasses.replace(p, max_tokens=1)
+            handed[producer.add_request(chat, first, kv_transfer_params={"do_remote_decode": True})] = chat, p
+        done = {}
+        while len(done) < len(handed):
+            for out in producer.step():
+                if out.finished:
+                    done[out.request_id] = out
+        ids = [
+            consumer.add_request(chat, p, kv_transfer_params=done[rid].kv_transfer_params)
+            for rid, (chat, p) in handed.items()
+        ]
+        results = {rid: [] for rid in ids}
+        while consumer.has_unfinished_requests() or producer.has_pending_transfers():
+            for engine in (consumer, producer):
+                for out in engine.step():
+                    if out.request_id in results:
+                        results[out.request_id] += out.token_ids
+        firsts = [done[rid].token_ids for rid in handed]
+        assert [f + results[rid] for f, rid in zip(firsts, ids)] == [r.token_ids for r in expected]
+        texts = [r.text for r in expected]
+        for form, text in zip(FORMS, texts):
+            check(form, text)
+        assert consumer.kv_connector.stats()["pd_num_pulls"] == len(FORMS)
+    finally:
+        consumer.close()
+        producer.close()
+
+
+# ---- served: launched (pp = 2, async scheduling, n-gram drafts) behind the OpenAI server ----------
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+OTHER_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from tests.http.test_openai_server import free_port
+    from tests.runtime.harness import launched
+    from tests.runtime.test_real_model_pp import real_sections
+
+    port = free_port()
+    sections = real_sections(2)
+    sections["model"]["dtype"] = "float32"
+    sections["scheduler"]["async_scheduling"] = True  # (the default) the next plan is made before the tokens are known
+    sections["server"]["http_port"] = port
+    sections["speculative"] = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    with launched(tmp_path_factory.mktemp("served"), sections, ready_timeout_s=300) as engine:
+        yield engine, f"http://127.0.0.1:{port}"
+
+
+async def test_served_greedy_under_async_scheduling_equals_the_engine_and_http_shapes(greedy, served):
+    from asyncpp.client import AsyncClient
+    from tests.runtime.conftest import collect
+
+    openai = pytest.importorskip("openai")
+    _, _, expected = greedy
+    engine, base_url = served
+    client = AsyncClient(engine.address)
+    try:
+        chats, params = requests()
+        native = await asyncio.wait_for(asyncio.gather(*(collect(client, c, p) for c, p in zip(chats, params))), 300)
+    finally:
+        client.close()
+    assert [tokens for tokens, _, _ in native] == [r.token_ids for r in expected]
+    oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    model = (await oai.models.list()).data[0].id
+    texts = {form: r.text for form, r in zip(FORMS, expected)}
+    (spec, prompt), messages = FORMS["json"], [{"role": "user", "content": FORMS["json"][1]}]
+    answer = await oai.chat.completions.create(
+        model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}},
+    )  # fmt: skip
+    assert answer.choices[0].message.content == texts["json"] and answer.choices[0].finish_reason == "stop"
+    for form in ("regex", "choice", "grammar"):
+        spec, prompt = FORMS[form]
+        answer = await oai.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS, temperature=0,
+            extra_body={"structured_outputs": spec},
+        )  # fmt: skip
+        assert answer.choices[0].message.content == texts[form], form
+    completion = await oai.completions.create(
+        model=model, prompt="A JSON object about a dog:", max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    if completion.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(completion.choices[0].text), dict)
+    else:
+        assert completion.choices[0].text.startswith("{")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+async def test_tool_calls_validate_and_streamed_deltas_reassemble_to_the_same_call(served, tool_choice):
+    openai = pytest.importorskip("openai")
+    _, base_url = served
+    oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    model = (await oai.models.list()).data[0].id
+    ask = {"model": model, "messages": WEATHER, "tools": [OTHER_TOOL, TOOL], "tool_choice": tool_choice,
+           "max_tokens": MAX_TOKENS, "temperature": 0, "parallel_tool_calls": False}  # fmt: skip
+    answer = await oai.chat.completions.create(**ask)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    if call.function.name == "get_weather":
+        jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
+    else:
+        assert tool_choice == "required" and json.loads(call.function.arguments) == {}
+    calls: dict[int, dict] = {}
+    finish = None
+    async for chunk in await oai.chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for part in delta.tool_calls or []:
+            entry = calls.setdefault(part.index, {"id": part.id, "name": None, "arguments": ""})
+            entry["name"] = part.function.name or entry["name"]
+            entry["arguments"] += part.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+         "response_format.json_schema.schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"tools": [{**TOOL, "function": {**TOOL["function"], "parameters": {"type": "nope"}}}],
+          "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+        ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nowhere"}}}, "tool_choice"),
+        ({"tools": [TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)  # fmt: skip
+def test_what_does_not_compile_is_a_400_naming_the_field_and_the_server_keeps_serving(served, body, param):
+    httpx = pytest.importorskip("httpx")
+    _, base_url = served
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", json={"messages": WEATHER, "max_tokens": 4, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+        ok = http.post("/v1/chat/completions", json={"messages": WEATHER, "max_tokens": 4, "structured_outputs": {"choice": ["yes"]}})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "yes"
