@@ -86,8 +86,10 @@ async def send_one(client: AsyncClient, request: BenchRequest, params: dict[str,
 
 
 async def warm_up(send: Callable[[BenchRequest, dict[str, Any]], Awaitable[RequestRecord]],
-                  requests: Sequence[BenchRequest], temperature: float) -> None:  # fmt: skip
-    params = sampling_params(WARMUP_OUTPUT_LEN, True, temperature)
+                  requests: Sequence[BenchRequest], temperature: float,
+                  structured_outputs: dict[str, Any] | None = None) -> None:  # fmt: skip
+    """As the measured requests are sent (a grammar's tokenizer is loaded at its first use)."""
+    params = sampling_params(WARMUP_OUTPUT_LEN, True, temperature, structured_outputs)
     records = await asyncio.gather(*(send(r, params) for r in requests[:NUM_WARMUP_REQUESTS]))
     failed = [r.error for r in records if not r.is_ok]
     if failed:
@@ -172,7 +174,7 @@ async def run_load(
         return backend.send(request, params) if backend is not None else send_one(client, request, params)
 
     try:
-        await warm_up(send_with, warmup_requests, temperature)
+        await warm_up(send_with, warmup_requests, temperature, structured_outputs)
         stats_before = await stats()
         cpu_before = CpuSnapshot.take(stats_before.get("stage_pids", []))
 
