@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from asyncpp.kernels.token_mask import apply_token_bitmask
 from asyncpp.logging import get_logger
 from asyncpp.sampling.structured import StructuredOutputs
 
@@ -86,42 +87,38 @@ class StructuredSampling:
     ) -> torch.Tensor:
         """`logits` ([rows, vocab], each request's 1 + drafts rows in order) with what the grammars
         forbid at -inf: a new tensor where any row is masked, else `logits` itself."""
-        rows: list[int] = []
-        allowed: list[torch.Tensor] = []
+        bitmask: torch.Tensor | None = None  # every row's allowed tokens, one bit each; all ones: unmasked
         row = 0
         for i, request_id in enumerate(request_ids):
             drafts = draft_token_ids[i] if draft_token_ids is not None else ()
             matcher = self._matchers.get(request_id)
             if matcher is not None and not self._is_done(request_id, matcher):
-                masks = self._row_masks(request_id, matcher, drafts)
-                rows.extend(range(row, row + len(masks)))
-                allowed.extend(masks)
+                if bitmask is None:
+                    bitmask = torch.full((logits.shape[0], -(-self.compiler.vocab_size // 32)), -1, dtype=torch.int32)
+                self._fill_rows(request_id, matcher, drafts, bitmask[row : row + 1 + len(drafts)])
             row += 1 + len(drafts)
-        if not rows:
+        if bitmask is None:
             return logits
-        vocab_size = logits.shape[1]
-        forbidden = ~torch.stack(allowed)[:, :vocab_size].to(logits.device)
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        masked = logits.clone()
-        masked[index] = logits[index].masked_fill(forbidden, float("-inf"))
+        masked = logits.contiguous().clone()
+        apply_token_bitmask(masked, bitmask.to(logits.device) if logits.device.type != "cpu" else bitmask)
         return masked
 
-    def _row_masks(self, request_id: str, matcher: llguidance.LLMatcher, drafts: Sequence[int]) -> list[torch.Tensor]:
-        """The allowed tokens of row 0, then of each row whose draft before it the grammar allows."""
-        masks = [_allowed(matcher)]
-        if not masks[0].any():  # an error state (never for tokens its own masks allowed): end the answer
+    def _fill_rows(self, request_id: str, matcher: llguidance.LLMatcher, drafts: Sequence[int], rows: torch.Tensor) -> None:
+        """Row 0's allowed tokens, then each row's whose draft before it the grammar allows (the rest
+        stay all ones)."""
+        _fill(matcher, rows[0])
+        if not rows[0].any():  # an error state (never for tokens its own masks allowed): end the answer
             self.log.error("grammar_allows_nothing", request_id=request_id, error=matcher.get_error())
-            masks[0][self.compiler.eos_token_id] = True
-            return masks
+            _allow(rows[0], self.compiler.eos_token_id)
+            return
         num_consumed = 0
-        for draft in drafts:
-            if not (0 <= draft < len(masks[-1]) and masks[-1][draft]) or not matcher.consume_token(draft):
+        for j, draft in enumerate(drafts):
+            if not _is_allowed(rows[j], draft) or not matcher.consume_token(draft):
                 break
             num_consumed += 1
-            masks.append(_allowed(matcher))
+            _fill(matcher, rows[j + 1])
         if num_consumed and not matcher.rollback(num_consumed):
             self.log.error("grammar_rollback_failed", request_id=request_id, error=matcher.get_error())
-        return masks
 
     def _is_done(self, request_id: str, matcher: llguidance.LLMatcher) -> bool:
         """Its grammar is complete and it ignores end-of-sequence: nothing more is masked."""
@@ -135,6 +132,16 @@ class StructuredSampling:
         return {"grammar_num_matchers": len(self._matchers), **(self._compiler.stats() if self._compiler else {})}
 
 
-def _allowed(matcher: llguidance.LLMatcher) -> torch.Tensor:
-    """[vocab] bool: the tokens the matcher allows next (only end-of-sequence once it is done)."""
-    return torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+def _fill(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
+    """`row` ([words] int32, contiguous): the tokens the matcher allows next, one bit each (only
+    end-of-sequence once it is done)."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
+
+def _is_allowed(row: torch.Tensor, token_id: int) -> bool:
+    return 0 <= token_id < 32 * row.numel() and bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def _allow(row: torch.Tensor, token_id: int) -> None:
+    word = int(row[token_id // 32]) | (1 << (token_id % 32))
+    row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word

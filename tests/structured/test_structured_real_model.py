@@ -221,15 +221,23 @@ async def test_served_greedy_under_async_scheduling_equals_the_engine_and_http_s
     from tests.runtime.conftest import collect
 
     openai = pytest.importorskip("openai")
-    _, _, expected = greedy
+    one, _, expected = greedy
+    chats, sampled_params = requests(temperature=0.9)
+    sampled = one.generate(chats, sampled_params)
     engine, base_url = served
     client = AsyncClient(engine.address)
     try:
         chats, params = requests()
         native = await asyncio.wait_for(asyncio.gather(*(collect(client, c, p) for c, p in zip(chats, params))), 300)
+        native_sampled = await asyncio.wait_for(
+            asyncio.gather(*(collect(client, c, p) for c, p in zip(chats, sampled_params))), 300
+        )
     finally:
         client.close()
     assert [tokens for tokens, _, _ in native] == [r.token_ids for r in expected]
+    assert [tokens for tokens, _, _ in native_sampled] == [r.token_ids for r in sampled]
+    for form, (_, text, _) in zip(FORMS, native_sampled):
+        check(form, text)
     oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
     model = (await oai.models.list()).data[0].id
     texts = {form: r.text for form, r in zip(FORMS, expected)}
