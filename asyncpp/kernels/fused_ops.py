@@ -1,20 +1,26 @@
-"""Fused CPU ops of the Llama layer (`fused_ops.c`): add + RMSNorm, SiLU * up, RoPE, in bfloat16 or float32.
+"""Fused ops of the Llama layer: add + RMSNorm, SiLU * up, RoPE, one kernel each.
 
-`fused_ops(device, dtype)` returns a `FusedOps` for one activation dtype, or
-None where they do not apply (float16, other devices and machines without a C
-compiler keep the torch code). bfloat16 ops round like the bfloat16 torch
-code; float32 ops are bit-identical to torch for the residual add and RoPE,
-and within float32 rounding of it for the norm and SiLU (see `fused_ops.c`).
+`FusedOps` is what the model calls (`LlamaModel.use_fused_ops`). On CPU they
+are C (`fused_ops.c`, `CFusedOps`), in bfloat16 or float32; on CUDA Triton
+kernels (`asyncpp.kernels.triton_fused`), in float32, bfloat16 or float16.
+`fused_ops(device, dtype)` returns the ops for one activation dtype, or None
+where they do not apply (CPU float16, other devices, machines without a C
+compiler or without Triton keep the torch code). Narrow-dtype ops round like
+the torch code; float32 ops are bit-identical to torch for the residual add
+and RoPE, and within float32 rounding of it for the norm and SiLU (see
+`fused_ops.c`, `triton_fused.py`).
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Protocol
 
 import torch
 
 from asyncpp.kernels.build import load_kernel_library
 from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.triton_fused import triton_fused_ops
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -26,8 +32,28 @@ _SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}  # the C functions ar
 MAX_ROPE_HEAD_DIM = 512
 
 
-class FusedOps:
-    """Each op takes CPU tensors of `dtype` whose last dimension is contiguous (cos/sin: float32)."""
+class FusedOps(Protocol):
+    """The ops the model swaps in for its torch code, for tensors of `dtype` on one device."""
+
+    dtype: torch.dtype
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x) * weight, residual + x) as new tensors; no input is modified."""
+        ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`[num_tokens, 2 * inter]` -> silu(gate) * up `[num_tokens, inter]`."""
+        ...
+
+    def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate `x` `[num_tokens, num_heads, head_dim]` (rows may be strided) in place and return it."""
+        ...
+
+
+class CFusedOps:
+    """The C ops (`FusedOps`). Each op takes CPU tensors of `dtype` whose last dimension is contiguous (cos/sin: float32)."""
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -82,7 +108,10 @@ class FusedOps:
 
 
 def fused_ops(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> FusedOps | None:
+    """The C ops on CPU (`isa`: the build level), the Triton ops on CUDA; None where neither applies."""
+    if torch.device(device).type == "cuda":
+        return triton_fused_ops(device, dtype)
     if torch.device(device).type != "cpu" or dtype not in _SUFFIXES:
         return None
     lib = load_kernel_library("fused_ops", isa or native_level())
-    return None if lib is None else FusedOps(lib, dtype)
+    return None if lib is None else CFusedOps(lib, dtype)
