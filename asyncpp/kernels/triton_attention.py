@@ -16,13 +16,22 @@ online softmax in float32, and writes the group's outputs. A tile of one
 block (16 keys) made each row a chain of short dependent iterations: 24 us a
 layer at 64 rows of ~150 keys on an H200 (2026-11-26), most of it latency.
 `scripts/attention_tiles.py` times the variants on a GPU. On an H200
-(2026-11-26, Triton 3.6, graph replays, SmolLM2's 9/3 heads of 64, bfloat16),
-in us per layer, one-block tile (16 keys, 4 warps) -> the default (32 keys
-over 4 warps): 1 row of 192 keys 28.4 -> 22.7; 64 rows of 96-224 keys
-42.6 -> 32.8; 256 rows of 96-224 keys 90.8 -> 89.8; 256 rows of 400-600 keys
-282 -> 271; a 2048-token prompt chunk 3243 -> 3465. 64 keys over 8 warps (no
-spill either, 176 registers) won at one row (17.8) but lost at 256 rows
-(112); 64 and 128 keys over 4 warps spill.
+(Triton 3.6, graph replays, SmolLM2's 9/3 heads of 64, bfloat16), in us per
+layer (2026-11-28, `scripts/gpu_step_check.sh`):
+
+| case | broadcast, 32 keys x 4 warps | `tl.dot`, 64 keys x 4 warps (default) |
+| --- | ---: | ---: |
+| 1 row of 192 keys | 22.6 | 5.6 |
+| 64 rows of 96-224 keys | 32.8 | 8.7 |
+| 256 rows of 96-224 keys | 89.5 | 15.0 |
+| 256 rows of 400-600 keys | 268.9 | 35.9 |
+| a 2048-token prompt chunk | 3465 | 399 |
+
+The broadcast products (`[group, tile, head_dim]` and a reduction over
+head_dim) compile to no matrix instruction and their cost grows with the
+tile; `tl.dot` pads the query heads of a KV head to 16 rows and runs both
+products on the matrix units. The broadcast variant stays for shapes the
+dot cannot take (head_dim or tile under 16) and for GPUs before sm_80.
 
 `triton_attention_kernel(device, dtype, ...)` returns the callable, or None
 where it cannot run (no Triton, a CPU device). Tests run it on CPU through
@@ -51,9 +60,9 @@ def triton_attention_kernel(
     num_kv_heads: int,
     head_dim: int,
     block_size: int = 16,
-    keys_per_tile: int = 32,
+    keys_per_tile: int = 64,
     num_warps: int = 4,
-    use_dot: bool = False,
+    use_dot: bool | None = None,
 ) -> DecodeAttention | None:
     """The kernel for CUDA devices; for any device under Triton's interpreter (`TRITON_INTERPRET=1`).
 
@@ -62,8 +71,7 @@ def triton_attention_kernel(
     and the weighted sum as `tl.dot` (the query heads of a KV head padded to 16 rows) instead of
     broadcast products and reductions: TF32 matrix units for bfloat16 / float16 caches, whose values
     TF32 holds exactly (the probabilities are rounded to TF32 before the second product), and exact
-    float32 for float32 caches; a candidate `scripts/attention_tiles.py` times, not the default (not
-    yet run on a GPU)."""
+    float32 for float32 caches. None (the default): the dot wherever it can run (`dot_fits`)."""
     if not has_triton() or num_heads % num_kv_heads != 0 or block_size & (block_size - 1):
         return None
     if torch.device(device).type != "cuda" and not is_interpreted():
@@ -75,6 +83,8 @@ def triton_attention_kernel(
     kernel = _build_kernel()
     group = num_heads // num_kv_heads
     tile = max(keys_per_tile, block_size)
+    if use_dot is None:
+        use_dot = dot_fits(device, head_dim, tile)
     if use_dot and (tile < 16 or _pow2(head_dim) < 16):
         raise ValueError(f"use_dot needs tiles and head_dim of at least 16, got {tile} and {head_dim}")
     group_p = max(16, _pow2(group)) if use_dot else _pow2(group)
@@ -106,6 +116,15 @@ def triton_attention_kernel(
         )  # fmt: skip
 
     return decode_attention
+
+
+def dot_fits(device: torch.device | str, head_dim: int, tile: int) -> bool:
+    """`tl.dot` needs 16 rows and columns at least, and matrix units of sm_80 or later (or the interpreter)."""
+    if tile < 16 or _pow2(head_dim) < 16:
+        return False
+    if is_interpreted() or torch.device(device).type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def is_interpreted() -> bool:

@@ -19,7 +19,7 @@ TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 CONTEXT_LENS = [1, 15, 16, 17, 32, 100, 203]
 
 
-def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=32, use_dot=False):
+def _kernel(device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=32, use_dot=None):
     fn = triton_attention_kernel(
         device, dtype, num_heads, num_kv_heads, head_dim, keys_per_tile=keys_per_tile, use_dot=use_dot
     )
@@ -38,9 +38,10 @@ def _run(fn, device, q, k_cache, v_cache, block_table, context_lens, rows=None, 
 
 
 def check_matches_float64_reference(device: str) -> None:
+    """The broadcast variant (no `tl.dot`: the kernel for shapes and GPUs the dot cannot take)."""
     for num_heads, num_kv_heads, head_dim in SHAPES:
         for dtype, atol in TOLERANCES.items():
-            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim)
+            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim, use_dot=False)
             q, k_cache, v_cache, block_table, context_lens = _case(num_heads, num_kv_heads, head_dim, CONTEXT_LENS, dtype)
             out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
             ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
@@ -60,18 +61,22 @@ def check_writes_only_the_given_rows(device: str) -> None:
 
 
 def check_batch_invariant(device: str) -> None:
-    fn = _kernel(device, torch.bfloat16, 9, 3, 64)
+    """A row's bits do not depend on the rows beside it, for the default kernel (`tl.dot`) and the broadcast one."""
     q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, [7, 64, 130, 33, 250, 1], torch.bfloat16)
-    together, _ = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
-    for i in range(q.shape[0]):
-        alone, _ = _run(fn, device, q[i : i + 1], k_cache, v_cache, block_table[i : i + 1], context_lens[i : i + 1])
-        assert torch.equal(alone[0], together[i]), f"request {i} changed with the batch"
+    for use_dot in (None, False):
+        fn = triton_attention_kernel(device, torch.bfloat16, 9, 3, 64, use_dot=use_dot)
+        together, _ = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
+        for i in range(q.shape[0]):
+            rows = slice(i, i + 1)
+            alone, _ = _run(fn, device, q[rows], k_cache, v_cache, block_table[rows], context_lens[rows])
+            assert torch.equal(alone[0], together[i]), f"request {i} changed with the batch (use_dot={use_dot})"
 
 
 def check_every_tile_size(device: str) -> None:
-    """A tile of one block (16 keys), of several, and larger than any context here: the same function."""
+    """A tile of one block (16 keys), of several, and larger than any context here: the same function
+    (through `tl.dot`, and at 32 keys through the broadcast products)."""
     for keys_per_tile in (16, 32, 64, 128, 256):
-        fn = _kernel(device, torch.float32, 9, 3, 64, keys_per_tile=keys_per_tile)
+        fn = _kernel(device, torch.float32, 9, 3, 64, keys_per_tile=keys_per_tile, use_dot=keys_per_tile != 32)
         q, k_cache, v_cache, block_table, context_lens = _case(9, 3, 64, CONTEXT_LENS, torch.float32, seed=2)
         out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
         ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
@@ -79,11 +84,11 @@ def check_every_tile_size(device: str) -> None:
 
 
 def check_dot_variant(device: str) -> None:
-    """`use_dot`: the same function through `tl.dot` (exact float32; TF32 for bfloat16 caches, which
+    """The default, `tl.dot`: the same function (exact float32; TF32 for bfloat16 caches, which
     rounds the probabilities to TF32 before the second product: within bfloat16's tolerance)."""
     for num_heads, num_kv_heads, head_dim in SHAPES:
         for dtype, atol in TOLERANCES.items():
-            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim, use_dot=True)
+            fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim)  # the default: the dot wherever it fits
             q, k_cache, v_cache, block_table, context_lens = _case(num_heads, num_kv_heads, head_dim, CONTEXT_LENS, dtype, seed=3)
             out, scale = _run(fn, device, q, k_cache, v_cache, block_table, context_lens)
             ref = _reference(q, k_cache, v_cache, block_table, context_lens, scale)
