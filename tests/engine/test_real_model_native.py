@@ -76,13 +76,15 @@ def test_native_weights_equal_transformers_float32(reference, pp_size):
         assert result.token_ids == expected, (chat, result.text)
 
 
-def test_isa_levels_give_the_same_tokens():
-    levels = [lv for lv in cpu_info().supported_levels if lv != "amx"]
-    _, native = generate(native_config(cpu_isa=levels[-1]))
-    for level in levels[:-1]:
-        _, other = generate(native_config(cpu_isa=level))
-        for chat, a, b in zip(CHATS, native, other):
-            assert a.token_ids == b.token_ids, (level, chat, a.text, b.text)
+def test_isa_levels_give_the_same_tokens(reference):
+    """Every lower ISA level's kernels give transformers' tokens too (the native level is checked
+    above); the scalar fallback, ~10x slower, on the first two chats."""
+    for level in [lv for lv in cpu_info().supported_levels if lv != "amx"][:-1]:
+        chats = CHATS[:2] if level == "generic" else CHATS
+        config = native_config(cpu_isa=level)
+        results = Engine(config).generate(chats, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+        for chat, result, expected in zip(chats, results, reference):
+            assert result.token_ids == expected, (level, chat, result.text)
 
 
 def test_native_bfloat16_logits_are_closer_to_float32_than_bfloat16_weights(reference, monkeypatch):
