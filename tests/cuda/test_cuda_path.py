@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import multiprocessing as mp
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ import torch
 from asyncpp.client import AsyncClient
 from asyncpp.engine.engine import Engine
 from asyncpp.model.intermediate import INTERMEDIATE_KEYS
+from asyncpp.runtime.stage_group import unlink_torch_shm
 from asyncpp.sampling.params import SamplingParams
 from asyncpp.transport import ActivationError, ActivationNotice, RingSpec, get_transport
 from asyncpp.weights import load_weights, read_arch, save_hf_directory
@@ -112,8 +115,17 @@ async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, ti
     assert "cuda_graphs_captured" in log
 
 
+def _shm_files_of_others() -> set[str]:
+    """The torch / CUDA driver files in /dev/shm that processes other than this one made."""
+    mine = (f"torch_{os.getpid()}_", f".{os.getpid():x}.")
+    names = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(("torch_", "cuda.shm."))}
+    return {n for n in names if not (n.startswith(mine[0]) or mine[1] in n)}
+
+
 async def _launched_greedy(tmp_path, sections, prompts) -> tuple[list[list[int]], str]:
-    """Every prompt's GREEDY_32 tokens from a launched engine, all at once; and its log."""
+    """Every prompt's GREEDY_32 tokens from a launched engine, all at once; and its log. The stages'
+    files in /dev/shm are gone once it stops."""
+    before = _shm_files_of_others()
     with launched(tmp_path, sections) as engine:
         client = AsyncClient(engine.address)
         try:
@@ -124,6 +136,7 @@ async def _launched_greedy(tmp_path, sections, prompts) -> tuple[list[list[int]]
             results = await asyncio.gather(*(one(p) for p in prompts))
         finally:
             client.close()
+    assert _shm_files_of_others() <= before, "a stage left files in /dev/shm"
     return results, engine.log_file.read_text()
 
 
@@ -169,6 +182,7 @@ def test_ipc_ring_between_processes_and_bad_notices():
         commands.put(None)
         peer.join(timeout=30)
         receiver.close()
+        unlink_torch_shm(peer.pid)  # its ring's files, as the launcher unlinks a reaped stage's
     assert peer.exitcode == 0
 
 
