@@ -9,13 +9,15 @@ scheduling (the next plan made before this step's tokens are known) and the
 hand-off of sampled tokens to the first stage change nothing: no other
 process holds grammar state.
 
-`mask` returns logits where every token the grammar forbids is -inf, before
-any penalty, temperature or filter: the sampler and the rejection sampler
-then draw as they always do. A request verifying drafts owns 1 + d rows:
+`mask` sets every token the grammar forbids to -inf in the step's logits,
+in place, before any penalty, temperature or filter: the sampler and the
+rejection sampler then draw as they always do. A request verifying drafts owns 1 + d rows:
 row j is masked as the grammar stands after drafts 1..j (consumed for the
 mask, then rolled back), so a draft the grammar forbids can never equal the
 target's token and is rejected; rows past a forbidden draft are never used
-and stay as they are. Logprobs stay the raw model's (vLLM's default).
+and stay as they are. Logprobs are taken from the masked logits (before
+penalties and temperature), as vLLM's default `raw_logprobs` are: a token
+the grammar forbids has a logprob of -inf.
 
 A grammar that is complete allows end-of-sequence alone, so the answer ends
 there (`finish_reason: "stop"`). A request that ignores end-of-sequence
@@ -86,7 +88,8 @@ class StructuredSampling:
         self, request_ids: Sequence[str], logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]] | None = None
     ) -> torch.Tensor:
         """`logits` ([rows, vocab], each request's 1 + drafts rows in order) with what the grammars
-        forbid at -inf: a new tensor where any row is masked, else `logits` itself."""
+        forbid at -inf, in place (the step's own logits, which nothing reads unmasked; a copy only
+        where its rows are not contiguous); `logits` itself where no row is masked."""
         bitmask: torch.Tensor | None = None  # every row's allowed tokens, one bit each; all ones: unmasked
         row = 0
         for i, request_id in enumerate(request_ids):
@@ -99,7 +102,7 @@ class StructuredSampling:
             row += 1 + len(drafts)
         if bitmask is None:
             return logits
-        masked = logits.contiguous().clone()
+        masked = logits if logits.stride(-1) == 1 else logits.contiguous()
         apply_token_bitmask(masked, bitmask.to(logits.device) if logits.device.type != "cpu" else bitmask)
         return masked
 
@@ -107,7 +110,7 @@ class StructuredSampling:
         """Row 0's allowed tokens, then each row's whose draft before it the grammar allows (the rest
         stay all ones)."""
         _fill(matcher, rows[0])
-        if not rows[0].any():  # an error state (never for tokens its own masks allowed): end the answer
+        if matcher.is_error():  # (never for tokens its own masks allowed): it allows nothing, so end the answer
             self.log.error("grammar_allows_nothing", request_id=request_id, error=matcher.get_error())
             _allow(rows[0], self.compiler.eos_token_id)
             return

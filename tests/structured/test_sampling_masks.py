@@ -44,7 +44,10 @@ def test_rows_are_masked_per_request_and_others_untouched(compiler):
     logits = torch.randn(3, compiler.vocab_size)
     assert structured.has_any(["x", "s"]) and not structured.has_any(["x"])
     assert structured.mask(["x", "y"], logits) is logits  # nobody structured: no copy
+    before = logits.clone()
     masked = structured.mask(["x", "s", "y"], logits)
+    assert masked is logits  # in place: the step's own logits
+    logits = before
     assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
     assert masked_rows(masked[1:2]) == [allowed_after(compiler, "")] and allowed_after(compiler, "") < set(range(300))
     keep = masked[1] != NEG_INF
@@ -57,10 +60,10 @@ def test_draft_rows_follow_the_drafts_and_the_matcher_is_rolled_back(compiler):
     structured.start("s", CHOICE, [])
     drafts = ids(compiler, "ab")
     logits = torch.zeros(1 + len(drafts) + 1, compiler.vocab_size)  # s: 1 + 2 rows; then t: 1 row
-    masked = structured.mask(["s", "t"], logits, [drafts, []])
+    masked = structured.mask(["s", "t"], logits.clone(), [drafts, []])
     assert masked_rows(masked[:3]) == [allowed_after(compiler, ""), allowed_after(compiler, "a"), allowed_after(compiler, "ab")]
     assert masked_rows(masked[3:]) == [set(range(compiler.vocab_size))]
-    again = structured.mask(["s", "t"], logits, [drafts, []])
+    again = structured.mask(["s", "t"], logits.clone(), [drafts, []])
     assert torch.equal(again, masked)  # the drafts were not kept
 
 
@@ -69,7 +72,7 @@ def test_a_forbidden_draft_leaves_the_rows_after_it_as_they_are(compiler):
     structured.start("s", CHOICE, [])
     drafts = ids(compiler, "c") + ids(compiler, "a")  # "c" starts no choice
     logits = torch.randn(3, compiler.vocab_size)
-    masked = structured.mask(["s"], logits, [drafts])
+    masked = structured.mask(["s"], logits.clone(), [drafts])
     assert masked_rows(masked[:1]) == [allowed_after(compiler, "")]
     assert drafts[0] not in masked_rows(masked[:1])[0]  # the target can never equal it: rejected
     assert torch.equal(masked[1:], logits[1:])
@@ -81,10 +84,10 @@ def test_the_matcher_follows_sampled_tokens_and_a_restart_rebuilds_it(compiler):
     structured.advance("s", ids(compiler, "a"))
     structured.advance("s", ids(compiler, "b"))
     logits = torch.zeros(1, compiler.vocab_size)
-    after_ab = masked_rows(structured.mask(["s"], logits))
+    after_ab = masked_rows(structured.mask(["s"], logits.clone()))
     assert after_ab == [allowed_after(compiler, "ab")]
     structured.start("s", CHOICE, ids(compiler, "ab"))  # back after a preemption, with its tokens
-    assert masked_rows(structured.mask(["s"], logits)) == after_ab
+    assert masked_rows(structured.mask(["s"], logits.clone())) == after_ab
     structured.advance("unknown", [5])  # no matcher: nothing
     structured.finish("s")
     assert not structured.has_any(["s"])
@@ -104,10 +107,10 @@ def test_ignoring_eos_goes_on_unmasked_once_the_grammar_is_complete(compiler):
     for request_id in ("s", "t"):
         structured.advance(request_id, ids(compiler, "b"))  # "b": a whole choice
     logits = torch.zeros(2, compiler.vocab_size)
-    masked = structured.mask(["s", "t"], logits)
+    masked = structured.mask(["s", "t"], logits.clone())
     assert masked_rows(masked) == [set(range(compiler.vocab_size)), {compiler.eos_token_id}]
     structured.advance("s", ids(compiler, "zz"))  # past the grammar: nothing consumed, nothing refused
-    assert masked_rows(structured.mask(["s"], logits[:1])) == [set(range(compiler.vocab_size))]
+    assert masked_rows(structured.mask(["s"], logits[:1].clone())) == [set(range(compiler.vocab_size))]
     structured.finish("s")
     structured.start("s", CHOICE, ids(compiler, "b"))  # the same id again, not ignoring: masked
-    assert masked_rows(structured.mask(["s"], logits[:1])) == [{compiler.eos_token_id}]
+    assert masked_rows(structured.mask(["s"], logits[:1].clone())) == [{compiler.eos_token_id}]
