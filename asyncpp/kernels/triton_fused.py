@@ -18,7 +18,7 @@ float32 rounding of the sum of squares, rsqrt and exp. Each program owns
 whole rows (or a fixed slice of one): a row's result never depends on the
 rows beside it.
 
-On an H200 (Triton 3.6, torch 2.11, `scripts/fused_ab.py`, 2026-11-29): SmolLM2's
+On an H200 (Triton 3.6, torch 2.11, `scripts/fused_ab.py`, 2026-11-28): SmolLM2's
 30 layers without attention (norms, qkv, RoPE, o_proj, MLP, final norm) in bfloat16,
 ms per step, torch code -> fused ops: one CUDA graph replay 1.50 -> 0.76 (1 token),
 1.76 -> 0.79 (64), 1.86 -> 0.86 (256); eager 7.9 -> 11.4 (1 token: a Triton launch
