@@ -114,19 +114,30 @@ class ToolRequest:
             return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in items], None
         if self.choice == "none" or CALL_OPEN not in text:
             return [], text
-        calls = []
-        for body in _CALL.findall(text):
-            try:
-                call = json.loads(body)
-                name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # not a call after all: stays content
-            if name in self.parameters:
-                calls.append(_call(name, json.dumps(arguments, ensure_ascii=False)))
+        calls: list[dict[str, Any]] = []
+
+        def take(block: re.Match[str]) -> str:
+            call = self._hermes_call(block.group(1))
+            if call is None:
+                return block.group(0)  # not a call of these tools after all: stays content
+            calls.append(call)
+            return ""
+
+        content = _CALL.sub(take, text).strip()
         if not calls:
             return [], text
-        content = _CALL.sub("", text).strip()
         return calls, content or None
+
+    def _hermes_call(self, body: str) -> dict[str, Any] | None:
+        """`{"name": ..., "arguments": {...}}` (or "parameters") naming one of the tools, as a call."""
+        try:
+            call = json.loads(body)
+            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return None
+        if name not in self.parameters:
+            return None
+        return _call(name, json.dumps(arguments, ensure_ascii=False))
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -74,9 +74,6 @@ class GrammarCompiler:
             grammar = grammar_text(spec)
         except Exception as e:  # noqa: BLE001 - the request's own text, through a third-party converter
             return f"{spec.field} does not compile: {e}"
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer)
-        if error:
-            return f"{spec.field} does not compile: {error.strip()}"
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             return f"{spec.field} does not compile: {matcher.get_error()}"

@@ -88,8 +88,7 @@ class StructuredSampling:
         self, request_ids: Sequence[str], logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]] | None = None
     ) -> torch.Tensor:
         """`logits` ([rows, vocab], each request's 1 + drafts rows in order) with what the grammars
-        forbid at -inf, in place (the step's own logits, which nothing reads unmasked; a copy only
-        where its rows are not contiguous); `logits` itself where no row is masked."""
+        forbid at -inf, in place (the step's own logits, which nothing reads unmasked)."""
         bitmask: torch.Tensor | None = None  # every row's allowed tokens, one bit each; all ones: unmasked
         row = 0
         for i, request_id in enumerate(request_ids):
@@ -102,17 +101,15 @@ class StructuredSampling:
             row += 1 + len(drafts)
         if bitmask is None:
             return logits
-        masked = logits if logits.stride(-1) == 1 else logits.contiguous()
-        apply_token_bitmask(masked, bitmask.to(logits.device) if logits.device.type != "cpu" else bitmask)
-        return masked
+        apply_token_bitmask(logits, bitmask.to(logits.device))
+        return logits
 
     def _fill_rows(self, request_id: str, matcher: llguidance.LLMatcher, drafts: Sequence[int], rows: torch.Tensor) -> None:
         """Row 0's allowed tokens, then each row's whose draft before it the grammar allows (the rest
         stay all ones)."""
         _fill(matcher, rows[0])
-        if matcher.is_error():  # (never for tokens its own masks allowed): it allows nothing, so end the answer
-            self.log.error("grammar_allows_nothing", request_id=request_id, error=matcher.get_error())
-            _allow(rows[0], self.compiler.eos_token_id)
+        if matcher.is_error():  # never for tokens its own masks allowed; its mask is end-of-sequence alone
+            self.log.error("grammar_in_error", request_id=request_id, error=matcher.get_error())
             return
         num_consumed = 0
         for j, draft in enumerate(drafts):
@@ -143,8 +140,3 @@ def _fill(matcher: llguidance.LLMatcher, row: torch.Tensor) -> None:
 
 def _is_allowed(row: torch.Tensor, token_id: int) -> bool:
     return 0 <= token_id < 32 * row.numel() and bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
-
-
-def _allow(row: torch.Tensor, token_id: int) -> None:
-    word = int(row[token_id // 32]) | (1 << (token_id % 32))
-    row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word

@@ -127,3 +127,61 @@ def test_the_formatter_gives_tool_calls_and_their_finish_reason():
 class _Times:
     num_prompt_tokens = 3
     num_output_tokens = 2
+
+
+def test_the_required_schema_takes_only_calls_of_the_tools():
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = parse("required").structured_outputs()["json"]
+    ok = [{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "time", "parameters": {}}]
+    jsonschema.validate(ok, schema)
+    for bad in (
+        [],  # at least one call
+        {"name": "time", "parameters": {}},  # an array of calls, not one
+        [{"name": "time"}],  # parameters required
+        [{"parameters": {}}],  # name required
+        [{"name": "time", "parameters": {}, "extra": 1}],  # nothing else
+        [{"name": "elsewhere", "parameters": {}}],  # one of the tools
+        [{"name": "weather", "parameters": []}],  # an object
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+
+
+def test_calls_keep_non_ascii_arguments_and_take_parameters_as_arguments():
+    [call], _ = parse("required").calls('[{"name": "weather", "parameters": {"city": "Zürich"}}]')
+    assert call["function"]["arguments"] == '{"city": "Zürich"}'
+    assert len(call["id"]) == len("call_") + 24
+    text = (
+        '<tool_call>{"oops": 1}</tool_call> '
+        '<tool_call>{"name": "weather", "parameters": {"city": "Zürich"}}</tool_call>'
+        '<tool_call>{"name": "time"}</tool_call>'
+    )
+    calls, content = parse().calls(text)  # a block that is no call stays content; the calls after it count
+    assert [c["function"] for c in calls] == [
+        {"name": "weather", "arguments": '{"city": "Zürich"}'},
+        {"name": "time", "arguments": "{}"},
+    ]
+    assert content == '<tool_call>{"oops": 1}</tool_call>'
+
+
+def test_bad_choices_are_quoted_short_in_the_error():
+    with pytest.raises(InvalidRequestError) as info:
+        parse("x" * 200)
+    assert "'xxxxx" in info.value.message and info.value.message.endswith("...") and len(info.value.message) < 160
+    with pytest.raises(InvalidRequestError, match=r"got \{\"type\": \"tool\"\}"):
+        parse({"type": "tool"}, tools=[WEATHER])
+    with pytest.raises(InvalidRequestError, match="got 'always'"):
+        parse("always")
+    with pytest.raises(InvalidRequestError, match="got str"):
+        ToolRequest.parse("weather", None, None)
+    with pytest.raises(InvalidRequestError, match="tool_choice 'required' needs tools"):
+        ToolRequest.parse(None, "required", None)
+
+
+def test_a_named_stream_starts_with_the_call_s_identity_and_no_content():
+    deltas = stream(parse(NAMED), ['{"city"', ': "Rome"}'])
+    first, second = deltas[0]["tool_calls"][0], deltas[1]["tool_calls"][0]
+    assert first["index"] == 0 and second["index"] == 0
+    assert first["id"].startswith("call_") and len(first["id"]) == len("call_") + 24 and first["type"] == "function"
+    assert deltas[0]["role"] == "assistant" and deltas[0]["content"] is None
+    assert "role" not in deltas[1] and "content" not in deltas[1]

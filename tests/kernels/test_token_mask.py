@@ -58,3 +58,20 @@ def test_unpack_and_shapes():
         apply_token_bitmask(torch.zeros(2, 8), torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32 bitmask"):
         apply_token_bitmask(torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_columns_apart_and_a_strided_bitmask_still_give_masked_fill(dtype):
+    logits = torch.randn(70, 3).to(dtype).t()  # [3, 70], columns 3 apart
+    wide = bitmask(3, 6, seed=2)
+    mask = wide[:, ::2]  # [3, 3], not contiguous
+    expected = reference(logits.clone(), mask.contiguous())
+    apply_token_bitmask(logits, mask)
+    assert torch.equal(logits, expected)
+
+
+def test_a_bitmask_for_a_single_row_must_match_two_dimensional_logits():
+    with pytest.raises(ValueError, match="int32 bitmask"):
+        apply_token_bitmask(torch.zeros(8), torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 bitmask"):
+        apply_token_bitmask(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int32))

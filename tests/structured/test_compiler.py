@@ -103,3 +103,22 @@ def test_a_choice_is_a_json_list_of_literals(compiler):
     assert json.dumps('say "hi"') in text and '"a|b"' in text
     assert accepts(compiler, spec(choice=['say "hi"', "a|b"]), 'say "hi"')
     assert not accepts(compiler, spec(choice=['say "hi"', "a|b"]), "a")
+
+
+def test_stats_count_compiles_and_cache_hits(compiler):
+    assert compiler.stats() == {"grammar_num_compiled": 0, "grammar_num_cache_hits": 0, "grammar_compile_s_max": 0.0}
+    structured = spec(regex="a+")
+    for _ in range(3):
+        compiler.check(structured)
+    stats = compiler.stats()
+    assert stats["grammar_num_compiled"] == 1 and stats["grammar_num_cache_hits"] == 2
+    assert 0.0 < stats["grammar_compile_s_max"] < 5.0
+
+
+def test_logits_wider_than_the_vocabulary_never_allow_the_padding(tiny_tokenizer):
+    from asyncpp.structured.compiler import GrammarCompiler
+
+    padded = GrammarCompiler(tiny_tokenizer, tiny_tokenizer.vocab_size + 64)
+    assert padded.lltokenizer.vocab_size == tiny_tokenizer.vocab_size + 64
+    allowed = padded.matcher(spec(json_object=True)).compute_logit_bias()
+    assert len(allowed) >= tiny_tokenizer.vocab_size + 64 and not any(allowed[tiny_tokenizer.vocab_size :])

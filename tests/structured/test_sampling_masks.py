@@ -114,3 +114,41 @@ def test_ignoring_eos_goes_on_unmasked_once_the_grammar_is_complete(compiler):
     structured.finish("s")
     structured.start("s", CHOICE, ids(compiler, "b"))  # the same id again, not ignoring: masked
     assert masked_rows(structured.mask(["s"], logits[:1].clone())) == [{compiler.eos_token_id}]
+
+
+def test_a_request_after_one_with_drafts_gets_its_own_row(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    logits = torch.randn(4, compiler.vocab_size)
+    masked = structured.mask(["t", "s"], logits.clone(), [[7, 8], []])  # t: 1 + 2 rows, unstructured
+    assert torch.equal(masked[:3], logits[:3])
+    assert masked_rows(masked[3:]) == [allowed_after(compiler, "")]
+
+
+def test_drafts_consumed_before_a_refused_one_are_rolled_back(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    drafts = ids(compiler, "a") + ids(compiler, "z")  # "a" starts two choices, "az" none
+    logits = torch.randn(3, compiler.vocab_size)
+    masked = structured.mask(["s"], logits.clone(), [drafts])
+    assert masked_rows(masked[:2]) == [allowed_after(compiler, ""), allowed_after(compiler, "a")]
+    assert torch.equal(masked[2], logits[2])
+    # The matcher is back where it was, and not in error: the next step's row is the first one's.
+    assert masked_rows(structured.mask(["s"], logits[:1].clone())) == [allowed_after(compiler, "")]
+
+
+def test_a_refused_first_draft_leaves_the_matcher_usable(compiler):
+    structured = sampling(compiler)
+    structured.start("s", CHOICE, [])
+    structured.mask(["s"], torch.zeros(2, compiler.vocab_size), [ids(compiler, "z")])
+    structured.advance("s", ids(compiler, "a"))  # a matcher in error would refuse it and allow only the end
+    assert masked_rows(structured.mask(["s"], torch.zeros(1, compiler.vocab_size))) == [allowed_after(compiler, "a")]
+
+
+def test_finishing_an_unknown_request_is_a_no_op_and_stats_show_the_compiler(compiler):
+    structured = sampling(compiler)
+    structured.finish("never-started")
+    assert structured.stats() == {"grammar_num_matchers": 0}  # no compiler made yet
+    structured.start("s", CHOICE, [])
+    stats = structured.stats()
+    assert stats["grammar_num_matchers"] == 1 and stats["grammar_num_compiled"] == 1

@@ -74,3 +74,9 @@ def test_sampling_params_carry_it_through_dicts_and_the_stages_wire():
     assert decode(encode(plan)).new_requests[0].sampling_params == params
     with pytest.raises(InvalidRequestError, match="structured_outputs.regex"):
         SamplingParams(structured_outputs={"regex": ""})
+
+
+def test_the_limits_themselves_are_allowed_and_json_goes_back_as_a_schema():
+    assert StructuredOutputs.from_dict({"choice": ["a"] * MAX_CHOICES}).kind == "choice"
+    assert StructuredOutputs.from_dict({"regex": "a" * MAX_SPEC_CHARS}).kind == "regex"
+    assert StructuredOutputs.from_dict({"json": SCHEMA}).to_dict() == {"json": SCHEMA}  # an object, as vLLM's field
