@@ -185,3 +185,16 @@ def test_a_named_stream_starts_with_the_call_s_identity_and_no_content():
     assert first["id"].startswith("call_") and len(first["id"]) == len("call_") + 24 and first["type"] == "function"
     assert deltas[0]["role"] == "assistant" and deltas[0]["content"] is None
     assert "role" not in deltas[1] and "content" not in deltas[1]
+
+
+def test_an_auto_stream_holds_only_what_may_begin_a_call_and_sends_the_rest_at_the_end():
+    held = stream(parse(), ["<tool", "_call>"])
+    assert held[0] == {"role": "assistant"}  # nothing to send yet: the role alone
+    assert "".join(d.get("content", "") for d in held) == "<tool_call>"  # no call after all: content
+    tail = stream(parse(), ["x <", "tool"])
+    assert "".join(d.get("content", "") for d in tail) == "x <tool"
+    both = '{"name": "time", "arguments": {}}'
+    two = stream(parse(), [f"a <tool_call>{both}</tool_call> b <tool_call>{both}</tool_call>"])
+    assert two[0]["content"] == "a " and [d["tool_calls"][0]["index"] for d in two if "tool_calls" in d] == [0, 1]
+
+

@@ -119,10 +119,10 @@ def test_ignoring_eos_goes_on_unmasked_once_the_grammar_is_complete(compiler):
 def test_a_request_after_one_with_drafts_gets_its_own_row(compiler):
     structured = sampling(compiler)
     structured.start("s", CHOICE, [])
-    logits = torch.randn(4, compiler.vocab_size)
-    masked = structured.mask(["t", "s"], logits.clone(), [[7, 8], []])  # t: 1 + 2 rows, unstructured
-    assert torch.equal(masked[:3], logits[:3])
-    assert masked_rows(masked[3:]) == [allowed_after(compiler, "")]
+    logits = torch.randn(5, compiler.vocab_size)
+    masked = structured.mask(["t", "u", "s"], logits.clone(), [[7, 8], [], []])  # t: 1 + 2 rows; t, u unstructured
+    assert torch.equal(masked[:4], logits[:4])
+    assert masked_rows(masked[4:]) == [allowed_after(compiler, "")]
 
 
 def test_drafts_consumed_before_a_refused_one_are_rolled_back(compiler):
