@@ -136,6 +136,7 @@ def test_the_required_schema_takes_only_calls_of_the_tools():
     jsonschema.validate(ok, schema)
     for bad in (
         [],  # at least one call
+        ["time"],  # each an object
         {"name": "time", "parameters": {}},  # an array of calls, not one
         [{"name": "time"}],  # parameters required
         [{"parameters": {}}],  # name required
