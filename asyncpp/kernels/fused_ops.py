@@ -20,7 +20,7 @@ import torch
 
 from asyncpp.kernels.build import load_kernel_library
 from asyncpp.kernels.isa import native_level
-from asyncpp.kernels.triton_fused import triton_fused_ops
+from asyncpp.kernels.triton_fused import check_dtypes, triton_fused_ops
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -102,9 +102,7 @@ class CFusedOps:
         return x
 
     def _check(self, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if t.dtype != self.dtype:
-                raise TypeError(f"fused ops for {self.dtype} got a {t.dtype} tensor")
+        check_dtypes(self.dtype, tensors)
 
 
 def fused_ops(device: torch.device | str, dtype: torch.dtype, isa: str | None = None) -> FusedOps | None:

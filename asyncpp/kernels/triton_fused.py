@@ -54,6 +54,13 @@ def _num_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
+def check_dtypes(dtype: torch.dtype, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Fused ops (C or Triton) are built for one activation dtype: another is a `TypeError`."""
+    for t in tensors:
+        if t.dtype != dtype:
+            raise TypeError(f"fused ops for {dtype} got a {t.dtype} tensor")
+
+
 class TritonFusedOps:
     """Each op takes tensors of `dtype` on one device whose last dimension is contiguous (cos/sin: float32)."""
 
@@ -115,9 +122,7 @@ class TritonFusedOps:
         return x
 
     def _check(self, *tensors: torch.Tensor) -> None:
-        for t in tensors:
-            if t.dtype != self.dtype:
-                raise TypeError(f"fused ops for {self.dtype} got a {t.dtype} tensor")
+        check_dtypes(self.dtype, tensors)
 
 
 def triton_fused_ops(device: torch.device | str, dtype: torch.dtype) -> TritonFusedOps | None:

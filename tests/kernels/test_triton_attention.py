@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from asyncpp.kernels.triton_attention import dot_fits, has_triton
+from tests.kernels.interpreted import run_interpreted
 from tests.kernels import triton_attention_checks as checks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,13 +24,7 @@ needs_triton = pytest.mark.skipif(not has_triton(), reason="Triton is not instal
 
 @needs_triton
 def test_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.triton_attention_checks", "cpu"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == len(checks.CHECKS)
+    run_interpreted("tests.kernels.triton_attention_checks", len(checks.CHECKS), timeout=600)
 
 
 @needs_triton

@@ -8,9 +8,6 @@ process); on a GPU the same checks run on CUDA.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,21 +15,15 @@ import torch
 from asyncpp.kernels.fused_ops import CFusedOps, fused_ops
 from asyncpp.kernels.triton_attention import has_triton
 from asyncpp.kernels.triton_fused import TritonFusedOps, triton_fused_ops
+from tests.kernels.interpreted import run_interpreted
 from tests.kernels import triton_fused_checks as checks
 
-ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(not has_triton(), reason="Triton is not installed")
 
 
 @needs_triton
 def test_interpreted_on_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.triton_fused_checks", "cpu"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(": ok") == len(checks.CHECKS)
+    run_interpreted("tests.kernels.triton_fused_checks", len(checks.CHECKS), timeout=300)
 
 
 @needs_triton

@@ -7,12 +7,12 @@ runs every check on CPU and exits non-zero on the first failure; on a GPU
 
 from __future__ import annotations
 
-import sys
 
 import torch
 
 from asyncpp.kernels.triton_attention import triton_attention_kernel
 from tests.kernels.test_decode_attention import BLOCK_SIZE, _case, _reference
+from tests.kernels.interpreted import main
 
 SHAPES = [(9, 3, 64), (4, 2, 16), (8, 2, 64), (4, 4, 32), (6, 1, 128), (3, 3, 48)]
 TOLERANCES = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
@@ -104,6 +104,4 @@ CHECKS = [
 ]
 
 if __name__ == "__main__":
-    for check in CHECKS:
-        check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
-        print(f"{check.__name__}: ok", flush=True)
+    main(CHECKS)

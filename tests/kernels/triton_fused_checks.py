@@ -12,7 +12,6 @@ sum of squares, rsqrt or exp rounds differently is the limit.
 
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from asyncpp.kernels.triton_fused import triton_fused_ops
 from asyncpp.model.arch import ModelArch
 from asyncpp.model.llama import MLP, RMSNorm, RotaryEmbedding, _rotate_half
+from tests.kernels.interpreted import main
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 DTYPES = (F32, BF16, F16)
@@ -261,6 +261,4 @@ CHECKS = [
 ]
 
 if __name__ == "__main__":
-    for check in CHECKS:
-        check(sys.argv[1] if len(sys.argv) > 1 else "cpu")
-        print(f"{check.__name__}: ok", flush=True)
+    main(CHECKS)
