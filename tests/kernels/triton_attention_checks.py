@@ -38,8 +38,9 @@ def _run(fn, device, q, k_cache, v_cache, block_table, context_lens, rows=None, 
 
 
 def check_matches_float64_reference(device: str) -> None:
-    """The broadcast variant (no `tl.dot`: the kernel for shapes and GPUs the dot cannot take)."""
-    for num_heads, num_kv_heads, head_dim in SHAPES:
+    """The broadcast variant (no `tl.dot`: the kernel for shapes and GPUs the dot cannot take), on
+    SmolLM2's heads, the widest group and a head_dim that is no power of two."""
+    for num_heads, num_kv_heads, head_dim in [(9, 3, 64), (6, 1, 128), (3, 3, 48)]:
         for dtype, atol in TOLERANCES.items():
             fn = _kernel(device, dtype, num_heads, num_kv_heads, head_dim, use_dot=False)
             q, k_cache, v_cache, block_table, context_lens = _case(num_heads, num_kv_heads, head_dim, CONTEXT_LENS, dtype)
