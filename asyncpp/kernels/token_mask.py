@@ -31,7 +31,8 @@ def _library(isa: str) -> ctypes.CDLL | None:
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, isa: str | None = None) -> None:
-    """Mask `logits` ([rows, vocab], rows contiguous) in place with `bitmask` ([rows, words] int32, CPU)."""
+    """Mask `logits` ([rows, vocab]) in place with `bitmask` ([rows, words] int32): the C kernel for CPU
+    logits with a unit column stride and a contiguous bitmask, else torch on the logits' device."""
     if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.shape[0] != logits.shape[0] or bitmask.dtype != torch.int32:
         raise ValueError(f"logits {list(logits.shape)} and an int32 bitmask of as many rows, got {list(bitmask.shape)} {bitmask.dtype}")
     dtype = VEC_DTYPE_CODES.get(logits.dtype)
@@ -45,10 +46,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, isa: str | 
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[rows, words] int32 -> [rows, vocab] bool: allowed tokens (none past the words)."""
-    shifts = torch.arange(32, dtype=torch.int32)
+    """[rows, words] int32 -> [rows, vocab] bool: allowed tokens (none past the words), on the bitmask's
+    device (a CUDA step's masks are unpacked there, not copied over 32 times wider)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts).bitwise_and_(1).flatten(1).bool()
-    allowed = torch.zeros(bitmask.shape[0], vocab, dtype=torch.bool)
+    allowed = torch.zeros(bitmask.shape[0], vocab, dtype=torch.bool, device=bitmask.device)
     n = min(vocab, bits.shape[1])
     allowed[:, :n] = bits[:, :n]
     return allowed

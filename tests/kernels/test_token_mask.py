@@ -75,3 +75,13 @@ def test_a_bitmask_for_a_single_row_must_match_two_dimensional_logits():
         apply_token_bitmask(torch.zeros(8), torch.zeros(1, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="int32 bitmask"):
         apply_token_bitmask(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int32))
+
+
+def test_the_fallback_unpacks_on_the_bitmask_s_device():
+    """A CUDA step hands its logits and masks on the GPU: nothing is built on the CPU beside them
+    (the meta device stands in for CUDA here)."""
+    mask = torch.zeros(2, 3, dtype=torch.int32, device="meta")
+    assert unpack_bitmask(mask, 70).device.type == "meta"
+    logits = torch.zeros(2, 70, device="meta")
+    apply_token_bitmask(logits, mask)
+    assert logits.device.type == "meta"
