@@ -335,7 +335,7 @@ class Engine(EngineCore):
                 layer_range=capacity.layer_ranges[rank],
                 shared_kv={i: kv for i, kv in shared_kv.items() if start <= i < end},
                 speculative=config.speculative if config.speculative.is_enabled else None,
-                tokenizer=(config.model.source, config.model.path_or_none),
+                grammars=lambda: self.input_processor.grammars,  # one compiler and cache in this process
             )
             runner.build_graphs()
             runners.append(runner)

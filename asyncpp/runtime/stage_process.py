@@ -74,6 +74,7 @@ from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import (
     build_model_slice,
     build_runner,
+    load_grammars,
     stage_num_blocks,
     torch_dtype,
 )
@@ -311,7 +312,7 @@ class Stage:
             layer_range=a.run_layers,
             shared_kv=shared_kv,
             speculative=a.speculative,
-            tokenizer=(a.model_source, a.model_path),
+            grammars=load_grammars(a.model_source, a.model_path, self.model.arch.vocab_size),
         )
         # The graphs read the ring's slots in place: the previous stage's write is the only copy.
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)

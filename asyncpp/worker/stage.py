@@ -7,6 +7,7 @@ stage processes alike, so both run exactly the same code.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -166,14 +167,14 @@ def build_runner(
     layer_range: tuple[int, int] | None = None,
     shared_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
     speculative: SpeculativeConfig | None = None,
-    tokenizer: tuple[str, str | None] | None = None,
+    grammars: Callable[[], GrammarCompiler] | None = None,
 ) -> ModelRunner:
     """With `graph_sizes`, the cache gets one more block, never handed out: decode graphs write
     their padding rows' K/V there. `shared_kv`: the caches of layers held with a neighbouring
     stage (global layer index -> (K, V), `parallel.shift_layers`); the others are allocated here.
     `layer_range`, `pp_rank`: see `ModelRunner`. `speculative`: the last stage gets its proposer.
-    `tokenizer`: the model's (source, path), which the last stage loads for grammars the first time a
-    request asks for structured output (None: such requests are refused at the engine)."""
+    `grammars`: gives the last stage its grammar compiler the first time a request asks for
+    structured output (`load_grammars`; None: such requests are refused at the engine)."""
     num_allocated = num_blocks + 1 if graph_sizes else num_blocks
     shared_kv = shared_kv or {}
     own = [i for i in range(model.start_layer, model.end_layer) if i not in shared_kv]
@@ -196,17 +197,18 @@ def build_runner(
         layer_range=layer_range,
         proposer=create_proposer(speculative) if speculative is not None and model.is_last else None,
         num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
-        structured=structured_sampling(tokenizer, model.arch.vocab_size) if tokenizer is not None and model.is_last else None,
+        structured=StructuredSampling(grammars) if grammars is not None and model.is_last else None,
     )
 
 
-def structured_sampling(tokenizer: tuple[str, str | None], vocab_size: int) -> StructuredSampling:
-    """The last stage's grammar matchers; the tokenizer is loaded when the first one is needed."""
+def load_grammars(source: str, path: str | None, vocab_size: int) -> Callable[[], GrammarCompiler]:
+    """A stage process's grammar compiler, on the model's tokenizer, loaded when first called (a process
+    that holds the engine's tokenizer passes the engine's compiler instead)."""
 
     def make_compiler() -> GrammarCompiler:
         from asyncpp.structured.compiler import GrammarCompiler  # llguidance: only once a request needs it
         from asyncpp.tokenizer.loader import load_tokenizer
 
-        return GrammarCompiler(load_tokenizer(tokenizer[0], tokenizer[1], vocab_size), vocab_size)
+        return GrammarCompiler(load_tokenizer(source, path, vocab_size), vocab_size)
 
-    return StructuredSampling(make_compiler)
+    return make_compiler
