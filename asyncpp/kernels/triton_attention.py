@@ -85,9 +85,9 @@ def triton_attention_kernel(
     tile = max(keys_per_tile, block_size)
     if use_dot is None:
         use_dot = dot_fits(device, head_dim, tile)
-    if use_dot and (tile < 16 or _pow2(head_dim) < 16):
+    if use_dot and (tile < 16 or pow2(head_dim) < 16):
         raise ValueError(f"use_dot needs tiles and head_dim of at least 16, got {tile} and {head_dim}")
-    group_p = max(16, _pow2(group)) if use_dot else _pow2(group)
+    group_p = max(16, pow2(group)) if use_dot else pow2(group)
 
     def decode_attention(
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows may be strided
@@ -110,7 +110,7 @@ def triton_attention_kernel(
             q, q.stride(0), k_cache, v_cache, k_cache.stride(0),
             block_table, block_table.stride(0), rows, context_lens,
             out, out.stride(0), scale,
-            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim), BLOCK_SIZE=block_size,
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=pow2(head_dim), BLOCK_SIZE=block_size,
             TILE=tile, USE_DOT=use_dot, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
             num_warps=num_warps,
         )  # fmt: skip
@@ -120,7 +120,7 @@ def triton_attention_kernel(
 
 def dot_fits(device: torch.device | str, head_dim: int, tile: int) -> bool:
     """`tl.dot` needs 16 rows and columns at least, and matrix units of sm_80 or later (or the interpreter)."""
-    if tile < 16 or _pow2(head_dim) < 16:
+    if tile < 16 or pow2(head_dim) < 16:
         return False
     if is_interpreted() or torch.device(device).type != "cuda":
         return True
@@ -132,7 +132,8 @@ def is_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (Triton's block sizes; 1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 

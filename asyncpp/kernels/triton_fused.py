@@ -40,14 +40,10 @@ import struct
 
 import torch
 
-from asyncpp.kernels.triton_attention import has_triton, is_interpreted
+from asyncpp.kernels.triton_attention import has_triton, is_interpreted, pow2
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SILU_BLOCK = 1024  # elements of one row per silu_mul program
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _num_warps(block: int) -> int:
@@ -81,7 +77,7 @@ class TritonFusedOps:
         out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
         residual_out = torch.empty_like(out)
         if num_tokens:
-            block = _pow2(hidden)
+            block = pow2(hidden)
             self._norm[(num_tokens,)](
                 x, x.stride(0), res, res.stride(0), weight, residual_out, out, hidden, _float32(eps),
                 HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block), enable_fp_fusion=False,
@@ -95,7 +91,7 @@ class TritonFusedOps:
         num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
         if num_tokens and inter:
-            block = min(SILU_BLOCK, _pow2(inter))
+            block = min(SILU_BLOCK, pow2(inter))
             grid = (num_tokens, -(-inter // block))
             self._silu[grid](
                 gate_up, gate_up.stride(0), out, inter,
@@ -114,10 +110,10 @@ class TritonFusedOps:
         positions, cos, sin = positions.contiguous(), cos.contiguous(), sin.contiguous()
         if num_tokens and num_heads:
             half = head_dim // 2
-            block = _pow2(num_heads) * _pow2(half)
+            block = pow2(num_heads) * pow2(half)
             self._rope[(num_tokens,)](
                 x, x.stride(0), positions, cos, sin, num_heads, half,
-                HEADS_P=_pow2(num_heads), HALF_P=_pow2(half), num_warps=_num_warps(block), enable_fp_fusion=False,
+                HEADS_P=pow2(num_heads), HALF_P=pow2(half), num_warps=_num_warps(block), enable_fp_fusion=False,
             )  # fmt: skip
         return x
 
