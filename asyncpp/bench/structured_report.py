@@ -1,8 +1,8 @@
 """What a benchmark run with `structured=json` adds to its report: the grammar's compile time.
 
-Measured in the benchmark's own process on the run's tokenizer, with a fresh compiler: the first
-check of the bench's schema (the JSON schema compiled into a grammar and a matcher), then the same
-schema again (the cache), then the llguidance tokenizer built from the model's. The engine's own
+Measured in the benchmark's own process on the run's tokenizer, with a fresh compiler: the llguidance
+tokenizer built from the model's, then the first check of the bench's schema (the JSON schema
+compiled into a grammar and a matcher), then the same schema again (the cache). The engine's own
 counts (`grammar_num_compiled`, `grammar_num_cache_hits`) show the cache at work over the run.
 """
 
