@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import tomllib
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncpp.kernels.isa import ISA_LEVELS
+from asyncpp.typed_toml import ConfigError, build_dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _SOURCES = ("gguf", "hf", "random")
@@ -26,10 +26,7 @@ _WEIGHT_FORMATS = ("auto", "float", "native")
 _BACKENDS = ("local", "ray")
 AUTO_SHIFT_LAYERS = 4  # parallel.shift_layers = -1: what evened out the default pp=2 SmolLM2 stages best
 _PLACEMENTS = ("spread", "pack")
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the offending key."""
+_TOKEN_HANDOFFS = ("auto", "host", "ring")
 
 
 @dataclass(frozen=True)
@@ -129,9 +126,14 @@ class ParallelConfig:
     # up to this many times within restart_window_s; past that (or 0) every request fails, exit 1.
     max_stage_restarts: int = 3
     restart_window_s: float = 60.0
+    # Sampled tokens from the last stage to the first (async scheduling): "ring" device to device
+    # (`asyncpp.transport.token_ring`), "host" in messages; "auto" = ring between local CUDA stages.
+    token_handoff: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
+        if self.token_handoff not in _TOKEN_HANDOFFS:
+            raise ConfigError(f"parallel.token_handoff must be one of {_TOKEN_HANDOFFS}, got {self.token_handoff!r}")
         if self.backend not in _BACKENDS:
             raise ConfigError(f"parallel.backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.placement not in _PLACEMENTS:
@@ -381,6 +383,8 @@ class EngineConfig:
                 f"({self.model.max_model_len - 1})"
             )
 
+        if self.parallel.token_handoff == "ring" and self.token_ring_off_reason:
+            raise ConfigError(f"parallel.token_handoff = 'ring': {self.token_ring_off_reason}")
         if self.scheduler.async_output == "on" and not (self.parallel.pp_size == 1 and self.scheduler.async_scheduling):
             raise ConfigError(
                 "scheduler.async_output = 'on' needs parallel.pp_size = 1 and scheduler.async_scheduling = true "
@@ -394,6 +398,24 @@ class EngineConfig:
             return self.scheduler.async_output == "on"
         one_stage = self.parallel.pp_size == 1 and self.scheduler.async_scheduling
         return one_stage and self.stage_devices[0].split(":")[0] == "cuda"
+
+    @property
+    def uses_token_ring(self) -> bool:
+        """`parallel.token_handoff` resolved ("ring" where it cannot apply is refused at load)."""
+        if self.parallel.token_handoff != "auto":
+            return self.parallel.token_handoff == "ring"
+        return self.token_ring_off_reason is None and all(d.startswith("cuda") for d in self.stage_devices)
+
+    @property
+    def token_ring_off_reason(self) -> str | None:
+        """Why sampled tokens cannot go through a token ring here (None: they can)."""
+        if self.parallel.pp_size == 1 or not self.scheduler.async_scheduling:
+            return "it needs parallel.pp_size > 1 and scheduler.async_scheduling = true"
+        if self.parallel.backend != "local":
+            return "it needs parallel.backend = 'local' (the ring is on the first stage's device)"
+        if len({d.startswith("cuda") for d in self.stage_devices}) > 1:
+            return "it needs every stage on CUDA or every stage on CPU"
+        return None
 
     @property
     def shift_layers_off_reason(self) -> str | None:
@@ -448,49 +470,12 @@ def load_config(path: str | Path) -> EngineConfig:
 
 
 def config_from_dict(data: dict[str, Any]) -> EngineConfig:
-    return _build(EngineConfig, data, prefix="")
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "top level"
-    if not isinstance(data, dict):
-        raise ConfigError(f"config section {where} must be a table, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s} (known in {where}: {', '.join(sorted(names))})")
-    kwargs = {}
-    for key, value in data.items():
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, prefix=f"{key}.")
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        (item_type, _) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"config key {key} must be a list, got {type(value).__name__}")
-        return tuple(_coerce(item_type, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"config key {key} must be a table, got {type(value).__name__}")
-        return dict(value)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
-        raise ConfigError(f"config key {key} must be {hint.__name__}, got {type(value).__name__} ({value!r})")
-    return value
+    return build_dataclass(EngineConfig, data, prefix="")
 
 
 def _is_device_name(name: str) -> bool:
-    if name == "cpu" or name == "cuda":
-        return True
     kind, _, index = name.partition(":")
-    return kind == "cuda" and index.isdigit()
+    return name in ("cpu", "cuda") or (kind == "cuda" and index.isdigit())
 
 
 def _positive(key: str, value: int) -> None:

@@ -57,6 +57,7 @@ from asyncpp.runtime.stage_process import StageArgs
 from asyncpp.speculative.proposer import create_proposer
 from asyncpp.tokenizer import load_tokenizer
 from asyncpp.transport import transport_for
+from asyncpp.transport.token_ring import token_ring_spec
 from asyncpp.weights import read_arch
 from asyncpp.worker.shared_kv import SharedKVSegment
 from asyncpp.worker.stage import step_graph_sizes
@@ -91,6 +92,12 @@ def stage_args_for(
     pp_size = len(capacity.layer_ranges)
     devices = config.stage_devices
     cpu_lists = stage_cpus(config, pp_size)
+    token_ring = None
+    if config.uses_token_ring:  # stage 0 has no activation ring: its ring name is the token ring's
+        token_ring = token_ring_spec(
+            addresses.ring_name(0), transport_for(devices[0]), max_steps_in_flight(config),
+            config.scheduler.max_num_seqs, devices[0], devices[-1],
+        )  # fmt: skip
     return [
         StageArgs(
             pp_rank=rank,
@@ -126,6 +133,7 @@ def stage_args_for(
             log_file=ns.log_file,
             run_layers=capacity.layer_ranges[rank],
             speculative=config.speculative if config.speculative.is_enabled else None,
+            token_ring=token_ring if rank == 0 else None,
         )
         for rank, (start, end) in enumerate(capacity.held_ranges)
     ]

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncpp.config import ConfigError, EngineConfig, _build, config_from_dict
+from asyncpp.config import ConfigError, EngineConfig, config_from_dict
+from asyncpp.typed_toml import build_dataclass
 
 ROLES = ("prefill", "decode")
 KV_ROLES = {"prefill": "producer", "decode": "consumer"}
@@ -90,7 +91,7 @@ def load_disagg_config(path: str | Path) -> DisaggConfig:
 
 
 def disagg_config_from_dict(data: dict[str, Any]) -> DisaggConfig:
-    section = _build(DisaggSection, data["disagg"], prefix="disagg.")
+    section = build_dataclass(DisaggSection, data["disagg"], prefix="disagg.")
     base = {k: v for k, v in data.items() if k != "disagg"}
     shared = config_from_dict(base)  # the shared tables must be a valid config on their own
     engines = {}

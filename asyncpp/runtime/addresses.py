@@ -44,4 +44,6 @@ class RunAddresses:
         return f"asyncpp-{self.run_id}-kv{boundary}"
 
     def ring_names(self, pp_size: int) -> list[str]:
-        return [self.ring_name(rank) for rank in range(1, pp_size)]
+        """Every shared-memory ring a run may create: stage r's activation ring (r >= 1), and as
+        stage 0's the token ring (`asyncpp.transport.token_ring`), on CPU stages."""
+        return [self.ring_name(rank) for rank in range(pp_size)]

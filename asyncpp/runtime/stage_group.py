@@ -185,7 +185,8 @@ class StageGroup:
         self._started_with = (num_kv_blocks, list(shared_kv or []))
         for rank, q in enumerate(self.plan_queues):
             send_ring = self.readies[rank + 1].recv_ring if rank + 1 < self.pp_size else None
-            await q.put(StageStart(num_kv_blocks, send_ring, list(shared_kv or [])))
+            token_ring = self.readies[0].token_ring if rank == self.pp_size - 1 else None
+            await q.put(StageStart(num_kv_blocks, send_ring, list(shared_kv or []), token_ring))
 
     async def broadcast(self, msg) -> None:
         """Send `msg` to every stage; `StagesRestartedError` if a restart replaced them meanwhile

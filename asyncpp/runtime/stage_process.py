@@ -18,7 +18,8 @@ Async scheduling (pp_size > 1): the last stage also sends the first stage
 the tokens each step sampled (`SampledTokens`), and the first stage, before
 running a plan with placeholders, waits for those of `plan.after_step_id`:
 the next step of a cohort starts one hop after the last stage samples,
-without a round trip through the engine.
+without a round trip through the engine (`asyncpp.runtime.token_handoff`;
+on GPUs the tokens stay on the devices: `asyncpp.transport.token_ring`).
 
 Async output (one stage, `scheduler.async_output`): a step whose tokens may
 stay on the device is held (`_HeldStep`) rather than reported: the stage
@@ -55,12 +56,13 @@ from asyncpp.runtime.addresses import RunAddresses
 from asyncpp.runtime.fault_hooks import exit_if_faulted
 from asyncpp.runtime.gc_heap import freeze_startup_heap
 from asyncpp.runtime.parent_death import die_with_parent
+from asyncpp.runtime.token_handoff import TokenInbox, TokenOutbox
 from asyncpp.step_phases import step_phases
 from asyncpp.transport import ActivationNotice, RingSpec, get_transport
+from asyncpp.transport.token_ring import TokenRingReader, TokenRingWriter
 from asyncpp.weights import read_arch
 from asyncpp.wire.queues import PullQueue, PushQueue
 from asyncpp.wire.stage_msgs import (
-    SampledTokens,
     Shutdown,
     StageHandshake,
     StageOutput,
@@ -117,6 +119,9 @@ class StageArgs:
     log_file: str | None = None
     run_layers: tuple[int, int] | None = None  # the layers a plan without `layer_bounds` runs; None: all held
     speculative: SpeculativeConfig | None = None  # speculative decoding: the last stage runs the proposer
+    # The first stage's token ring (`asyncpp.transport.token_ring`, its handles still empty); None:
+    # sampled tokens go the host path.
+    token_ring: RingSpec | None = None
 
     @property
     def is_first(self) -> bool:
@@ -198,11 +203,11 @@ class Stage:
         self.outputs = PushQueue(addrs.stage_outputs, token=token)
         if inputs is None:  # a local stage: its ipc:// paths are private to the run directory
             inputs = StageInputs.bind(args, addrs.activations(args.pp_rank), addrs.sampled_tokens, token)
-        self.acts_in, self.tokens_in = inputs.acts_in, inputs.tokens_in
+        self.acts_in = inputs.acts_in
+        self.tokens_in = TokenInbox(inputs.tokens_in) if inputs.tokens_in is not None else None
         self.acts_out = PushQueue(addrs.activations(args.pp_rank + 1), token=token) if not args.is_last else None
         passes_tokens = args.async_scheduling and args.pp_size > 1
-        self.tokens_out = PushQueue(addrs.sampled_tokens, token=token) if passes_tokens and args.is_last else None
-        self.last_tokens_step_id = -1  # first stage: the latest step whose sampled tokens are in
+        self.tokens_out = TokenOutbox(PushQueue(addrs.sampled_tokens, token=token)) if passes_tokens and args.is_last else None
         self.threads = StepThreads(args.num_threads)
         self.receiver = None
         self.sender = None
@@ -271,12 +276,17 @@ class Stage:
             )
             self.receiver = get_transport(a.transport).create_receiver(recv_spec)
             recv_spec = self.receiver.spec  # with the transport's handles
+        token_spec = None
+        if a.token_ring is not None and self.tokens_in is not None:
+            self.tokens_in.reader = TokenRingReader(a.token_ring)
+            token_spec = self.tokens_in.reader.spec
         num_blocks = stage_num_blocks(arch, a.end_layer - a.start_layer, a.kv_cache_memory_mb, a.block_size, dtype)
         load_time_s = time.time() - t0
         weight_nbytes = self.model.weight_nbytes()
         self.outputs.put(
             StageReady(
-                a.pp_rank, os.getpid(), a.start_layer, a.end_layer, num_blocks, recv_spec, load_time_s, weight_nbytes
+                a.pp_rank, os.getpid(), a.start_layer, a.end_layer, num_blocks, recv_spec, load_time_s, weight_nbytes,
+                token_spec,
             )
         )
         self.log.info(
@@ -318,12 +328,15 @@ class Stage:
         self.runner.build_graphs(self.receiver.slots() if self.receiver is not None else None)
         if start.send_ring is not None:
             self.sender = get_transport(start.send_ring.transport).attach_sender(start.send_ring)
+        if start.token_ring is not None and self.tokens_out is not None:
+            self.tokens_out.writer = TokenRingWriter(start.token_ring)
+            self.tokens_out.attach(self.runner)
 
     def _run_step(self, plan: StepPlan) -> StageOutput | _HeldStep:
         handoff_us, error = 0.0, None
         output = ModelRunnerOutput()
         if self.tokens_in is not None:
-            self._take_sampled_tokens(plan.after_step_id)
+            self.tokens_in.take(self.runner, plan)
             self.phases.mark("wait_tokens")
         t0 = t_written = time.time()  # waiting for sampled tokens is not busy time
         # A plan with no tokens moves no activations (only the KV connector is polled).
@@ -356,8 +369,7 @@ class Stage:
                 output = self.runner.sample_tokens()
                 is_connector_done = True
                 if self.tokens_out is not None:
-                    latest = [ids[-1] for ids in output.sampled_token_ids]
-                    self.tokens_out.put(SampledTokens(plan.step_id, output.req_ids, latest, output.draft_token_ids))
+                    self.tokens_out.send(plan.step_id, output)
                     self.phases.mark("send_tokens")
             else:
                 if moves_activations:
@@ -379,8 +391,8 @@ class Stage:
             if self.acts_out is not None and moves_activations and not is_handed_off:
                 # Let the next stage fail this step too instead of waiting forever.
                 self.acts_out.put(ActivationNotice(plan.step_id, 0, 0, []))
-            if self.tokens_out is not None and not output.req_ids:  # nor may the first stage wait forever
-                self.tokens_out.put(SampledTokens(plan.step_id))
+            if self.tokens_out is not None:  # nor may the first stage wait forever
+                self.tokens_out.send_failed(plan.step_id)
         t1 = time.time() if self.args.is_last or error is not None else t_written
         return self._stage_output(plan, output, t0, t1, handoff_us, error)
 
@@ -409,17 +421,11 @@ class Stage:
             self.log.error("kv_connector_failed", step_id=plan.step_id, error=repr(e))
             return output
 
-    def _take_sampled_tokens(self, until_step_id: int | None) -> None:
-        """Record what has arrived; block until the tokens of `until_step_id` are in."""
-        target = -1 if until_step_id is None else until_step_id
-        while self.last_tokens_step_id < target or self.tokens_in.has_message():
-            msg = self.tokens_in.get()
-            self.runner.record_sampled(msg.req_ids, msg.token_ids, msg.draft_token_ids)
-            self.last_tokens_step_id = msg.step_id
-
     def close(self) -> None:
         if self.phases.num_steps:  # ASYNCPP_STEP_PHASES=1
             self.log.info("step_phases", **self.phases.summary())
+        if self.tokens_in is not None:  # which way the sampled tokens came
+            self.log.info("sampled_tokens_taken", on_device=self.tokens_in.num_on_device, on_host=self.tokens_in.num_on_host)
         if self.runner is not None:
             if self.runner.graphs is not None:  # how often each graph size served a step
                 self.log.info("cuda_graph_runs", runs={str(size): n for size, n in self.runner.graphs.num_runs.items()})

@@ -36,7 +36,7 @@ class RingSpec:
     num_slots: int
     max_num_tokens: int
     hidden_size: int
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16"; "int64" for a token ring
     device: str = "cpu"  # where the ring lives (the receiver's device)
     peer_device: str = "cpu"  # the sender's device
     handles: bytes = b""  # transport-specific, msgpack (cuda_ipc: memory and event IPC handles)

@@ -32,7 +32,7 @@ import msgpack
 import torch
 
 from asyncpp.device import indexed_device, is_cuda
-from asyncpp.dtypes import torch_dtype
+from asyncpp.dtypes import ring_dtype
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.transport.base import (
     ActivationNotice,
@@ -58,7 +58,7 @@ class CudaIpcReceiver:
         if not (is_cuda(spec.device) and is_cuda(spec.peer_device)):
             raise ValueError(f"cuda_ipc needs CUDA stages, got ring on {spec.device!r}, sender on {spec.peer_device!r}")
         self.device, peer = indexed_device(spec.device), indexed_device(spec.peer_device)
-        self.ring = torch.zeros(ring_shape(spec), dtype=torch_dtype(spec.dtype), device=self.device)
+        self.ring = torch.zeros(ring_shape(spec), dtype=ring_dtype(spec.dtype), device=self.device)
         self.written = [_event_on(peer) for _ in range(spec.num_slots)]
         self.released = [_event_on(self.device) for _ in range(spec.num_slots)]
         torch.cuda.synchronize(self.device)
@@ -95,7 +95,7 @@ class CudaIpcSender:
         storage = torch.UntypedStorage._new_shared_cuda(*handles["storage"])
         shape = ring_shape(spec)
         strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
-        self.ring = torch.empty(0, dtype=torch_dtype(spec.dtype), device=ring_device).set_(storage, 0, shape, strides)
+        self.ring = torch.empty(0, dtype=ring_dtype(spec.dtype), device=ring_device).set_(storage, 0, shape, strides)
         self.written = [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles["written"]]
         self.released = [torch.cuda.Event.from_ipc_handle(ring_device, h) for h in handles["released"]]
 

@@ -29,7 +29,7 @@ import time
 import msgpack
 import torch
 
-from asyncpp.dtypes import torch_dtype
+from asyncpp.dtypes import ring_dtype
 from asyncpp.transport.nixl_agent import NixlTransport, TransferState
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.transport.base import (
@@ -51,7 +51,7 @@ _PROGRESS_DELAY_US = 1000  # NIXL progress thread: a hand-off waits on it, a KV 
 
 
 def _ring(spec: RingSpec) -> torch.Tensor:
-    return torch.zeros(ring_shape(spec), dtype=torch_dtype(spec.dtype))
+    return torch.zeros(ring_shape(spec), dtype=ring_dtype(spec.dtype))
 
 
 def _step_notif(step_id: int) -> bytes:

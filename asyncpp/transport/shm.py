@@ -14,7 +14,7 @@ from multiprocessing import shared_memory
 import torch
 
 from asyncpp.model.intermediate import IntermediateTensors
-from asyncpp.dtypes import torch_dtype
+from asyncpp.dtypes import ring_dtype
 from asyncpp.transport.base import (
     ActivationNotice,
     RingSpec,
@@ -29,11 +29,11 @@ from asyncpp.transport.base import (
 
 def _ring_tensor(shm: shared_memory.SharedMemory, spec: RingSpec) -> torch.Tensor:
     shape = ring_shape(spec)
-    return torch.frombuffer(shm.buf, dtype=torch_dtype(spec.dtype), count=math.prod(shape)).view(shape)
+    return torch.frombuffer(shm.buf, dtype=ring_dtype(spec.dtype), count=math.prod(shape)).view(shape)
 
 
 def ring_nbytes(spec: RingSpec) -> int:
-    return math.prod(ring_shape(spec)) * torch_dtype(spec.dtype).itemsize
+    return math.prod(ring_shape(spec)) * ring_dtype(spec.dtype).itemsize
 
 
 class ShmReceiver:

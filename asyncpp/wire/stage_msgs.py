@@ -5,7 +5,8 @@ The plan channel carries `StepPlan` itself (registered here) and
 their runner is built (after `StageStart`), and a `StageOutput` for
 every step. A stage that fails a step sends `StageOutput` with `error` set.
 With async scheduling the last stage also sends the first one
-`SampledTokens` after every step, failed or not.
+`SampledTokens` after every step, failed or not (on the ring path with the
+tokens left in stage 0's token ring: `asyncpp.transport.token_ring`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class StageReady:
     recv_ring: RingSpec | None  # None on stage 0 (it receives token ids, not activations)
     load_time_s: float
     weight_nbytes: int  # resident bytes of this stage's weights (packed copies included), for stats
+    token_ring: RingSpec | None = None  # stage 0 with the ring path: where the last stage writes tokens
 
 
 @message("stage_start")
@@ -45,6 +47,7 @@ class StageStart:
     # The KV caches of layers held with a neighbour (`parallel.shift_layers`): every window's
     # segment; a stage maps those within its layers.
     shared_kv: list[SharedKVSpec] = field(default_factory=list)
+    token_ring: RingSpec | None = None  # the last stage, ring path: stage 0's token ring
 
 
 @message("stage_handshake")
@@ -84,3 +87,6 @@ class SampledTokens:
     token_ids: list[int] = field(default_factory=list)  # each request's latest
     # Speculative decoding: each request's drafts for its next step (a continuation verifies them).
     draft_token_ids: list[list[int]] = field(default_factory=list)
+    # The ring path (`asyncpp.transport.token_ring`): the tokens are in this slot of the first
+    # stage's token ring, one per request of `req_ids`, and `token_ids` is empty; -1: host path.
+    slot: int = -1

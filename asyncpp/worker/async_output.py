@@ -28,13 +28,21 @@ from asyncpp.host_copy import to_device
 from asyncpp.worker.outputs import ModelRunnerOutput
 
 
-class AsyncSample:
-    """One step's sampled tokens (one per request), on their way to the host."""
+class DeviceSample:
+    """One step's sampled tokens (one per request) on the device: what the next step's placeholders
+    read. On the first of several stages they came through the token ring and never reach its host."""
 
     def __init__(self, step_id: int, req_ids: list[str], sampled: torch.Tensor) -> None:
         self.step_id = step_id
         self.req_ids = req_ids
-        self.device_tensor = sampled  # [num_reqs] int64: what the next step's placeholders read
+        self.device_tensor = sampled  # [num_reqs] int64
+
+
+class AsyncSample(DeviceSample):
+    """One step's sampled tokens (one per request), on their way to the host."""
+
+    def __init__(self, step_id: int, req_ids: list[str], sampled: torch.Tensor) -> None:
+        super().__init__(step_id, req_ids, sampled)
         if sampled.device.type == "cuda":
             self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
             self._host.copy_(sampled, non_blocking=True)
@@ -56,11 +64,12 @@ class AsyncSample:
 
 class DeviceTokens:
     """Per request, where its latest sampled token is: in `host` (a plain int) or still only on the
-    device (a row of an `AsyncSample` not yet resolved). Whichever was recorded last wins."""
+    device (a row of a `DeviceSample`: an `AsyncSample` not yet resolved, or one that came through
+    the token ring). Whichever was recorded last wins."""
 
     def __init__(self) -> None:
         self.host: dict[str, int] = {}
-        self.pending: dict[str, tuple[AsyncSample, int]] = {}
+        self.pending: dict[str, tuple[DeviceSample, int]] = {}
 
     def record(self, req_ids: Iterable[str], token_ids: Iterable[int]) -> None:
         """Tokens the host knows now (a step sampled synchronously, or by another stage)."""
@@ -68,7 +77,7 @@ class DeviceTokens:
             self.host[req_id] = token_id
             self.pending.pop(req_id, None)
 
-    def add_pending(self, sample: AsyncSample) -> None:
+    def add_pending(self, sample: DeviceSample) -> None:
         for row, req_id in enumerate(sample.req_ids):
             self.pending[req_id] = (sample, row)
 
@@ -92,7 +101,7 @@ class DeviceTokens:
     def fill_on_device(self, input_ids: torch.Tensor, rows: np.ndarray, req_ids: list[str]) -> None:
         """Write, on the device, the pending tokens of `req_ids` into `input_ids[rows]` (row i gets
         request i's); rows whose request has no pending token are left as they are."""
-        by_sample: dict[int, tuple[AsyncSample, list[int], list[int]]] = {}
+        by_sample: dict[int, tuple[DeviceSample, list[int], list[int]]] = {}
         for row, req_id in zip(rows.tolist(), req_ids):
             entry = self.pending.get(req_id)
             if entry is None:

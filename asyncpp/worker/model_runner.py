@@ -14,6 +14,9 @@
    `sample_tokens_async()` is the same step for a single stage that may leave
    the tokens on the device (async output, `asyncpp.worker.async_output`):
    the next `execute_model` reads them there, and the output is built later.
+   The last of several stages may hand its draw on while it is still on the
+   device (`on_sampled`: the token ring, `asyncpp.transport.token_ring`); the
+   first records such tokens with `record_on_device`.
 
 Every step binds the plan's KV connector metadata before the forward
 (`pre_forward`, which also starts loads), empty steps included, and clears
@@ -31,6 +34,7 @@ plan scheduled before that token was known (async scheduling).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,12 +44,13 @@ from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.kernels.triton_attention import triton_attention_kernel
 from asyncpp.model.intermediate import IntermediateTensors
 from asyncpp.model.llama import LlamaModel
+from asyncpp.sampling.output import SamplerOutput
 from asyncpp.sampling.sampler import RequestSamplingState, Sampler
 from asyncpp.speculative.proposer import Proposer
 from asyncpp.speculative.rejection import RejectionSampler
 from asyncpp.structured.sampling import StructuredSampling
 from asyncpp.step_phases import NO_PHASES, StepPhases, _NoPhases
-from asyncpp.worker.async_output import AsyncSample, DeviceTokens, PendingOutput
+from asyncpp.worker.async_output import AsyncSample, DeviceSample, DeviceTokens, PendingOutput
 from asyncpp.worker.cuda_graphs import StepGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
@@ -130,6 +135,9 @@ class ModelRunner:
         self.forward_step_id = -1  # the latest step whose forward ran to its end (its KV is written)
         self.kv_connector = kv_connector or KVConnectorWrapper()
         self.phases: StepPhases | _NoPhases = NO_PHASES  # the stage sets its own (`asyncpp.step_phases`)
+        # Last of several stages, token ring: called with (step_id, req_ids, tokens on the device) as
+        # soon as a step without drafts samples them, before they are copied to the host.
+        self.on_sampled: Callable[[int, list[str], torch.Tensor], None] | None = None
         self.kv_connector.register_kv_caches(kv_caches, model.start_layer)
 
     @property
@@ -344,7 +352,7 @@ class ModelRunner:
             for req_id, drafts, token_ids in zip(state.sampling_req_ids, state.draft_token_ids, sampled):
                 self.accepted_all[req_id] = len(token_ids) == len(drafts) + 1
         else:
-            out = self.sampler(logits, req_states)
+            out = self._draw(state.step_id, state.sampling_req_ids, logits, req_states)
             sampled = [[t] for t in out.sampled_token_ids.tolist()]
             logprobs = _logprobs_lists(out, req_states)
             if self.proposer is not None:  # nothing to verify: a continuation after it is valid
@@ -358,6 +366,19 @@ class ModelRunner:
         if self.model.is_first:
             self.record_sampled(state.sampling_req_ids, [ids[-1] for ids in sampled])
         return ModelRunnerOutput(req_ids=state.sampling_req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _draw(self, step_id: int, req_ids: list[str], logits: torch.Tensor, req_states) -> SamplerOutput:
+        """The sampler's draw; with `on_sampled` (token ring) and nothing the host must add (no
+        proposer, logprobs, penalties or seeds), handed on while still on the device."""
+        if self.on_sampled is None or self.proposer is not None or self.sampler.reads_history(req_states):
+            return self.sampler(logits, req_states)
+        token_ids = self.sampler.sample_on_device(logits, req_states)
+        self.on_sampled(step_id, req_ids, token_ids)
+        return SamplerOutput(token_ids.cpu())
+
+    def record_on_device(self, step_id: int, req_ids: list[str], token_ids: torch.Tensor) -> None:
+        """First stage: the tokens a step sampled, on this device (token ring), for later placeholders."""
+        self.sampled_token_ids.add_pending(DeviceSample(step_id, req_ids, token_ids))
 
     def record_sampled(self, req_ids: list[str], token_ids: list[int], drafts: list[list[int]] | None = None) -> None:
         """First stage: the tokens a step sampled (and the drafts proposed after them), for the

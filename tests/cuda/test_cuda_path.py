@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import multiprocessing as mp
 import os
 from pathlib import Path
@@ -107,12 +108,23 @@ def test_verification_steps_replay_the_graphs(tiny_hf_dir, pp_size, split):
         assert runner.graphs.capture and runs[4] + runs[8] > 0, runs
 
 
+@pytest.mark.parametrize("token_handoff", ["auto", "host"])
 @pytest.mark.parametrize("pp_size,split", [(2, (2, 2)), (3, (1, 2, 1))])
-async def test_launched_pipeline_through_cuda_ipc_equals_in_process(tmp_path, tiny_hf_dir, prompts, reference, pp_size, split):
-    sections = tiny_sections(tiny_hf_dir, pp_size, split, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]})
+async def test_launched_pipeline_through_cuda_ipc_equals_in_process(
+    tmp_path, tiny_hf_dir, prompts, reference, pp_size, split, token_handoff
+):
+    """Activations through CUDA IPC rings; sampled tokens from the last stage to the first through the
+    token ring on the first stage's GPU ("auto", several steps in flight) or through the hosts."""
+    sections = tiny_sections(tiny_hf_dir, pp_size, split, model={"device": "cuda", "cuda_graph_sizes": [1, 2, 4, 8]},
+                             parallel={"token_handoff": token_handoff})  # fmt: skip
     results, log = await _launched_greedy(tmp_path, sections, prompts)
     assert results == reference
     assert "cuda_graphs_captured" in log
+    taken = next(json.loads(line) for line in log.splitlines() if '"sampled_tokens_taken"' in line)
+    if token_handoff == "auto":
+        assert taken["on_host"] == 0 and taken["on_device"] > 8, taken
+    else:
+        assert taken["on_device"] == 0 and taken["on_host"] > 8, taken
 
 
 def _shm_files_of_others() -> set[str]:
