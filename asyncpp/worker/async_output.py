@@ -55,11 +55,14 @@ class AsyncSample(DeviceSample):
         """The copy to the host is done (never blocks)."""
         return self._event is None or self._event.query()
 
-    def token_ids(self) -> list[int]:
-        """The tokens, waiting for the copy if it is still running."""
+    def host_tensor(self) -> torch.Tensor:
+        """The tokens on the host, waiting for the copy if it is still running."""
         if self._event is not None:
             self._event.synchronize()
-        return self._host.tolist()
+        return self._host
+
+    def token_ids(self) -> list[int]:
+        return self.host_tensor().tolist()
 
 
 class DeviceTokens:

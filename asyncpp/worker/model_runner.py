@@ -372,9 +372,11 @@ class ModelRunner:
         proposer, logprobs, penalties or seeds), handed on while still on the device."""
         if self.on_sampled is None or self.proposer is not None or self.sampler.reads_history(req_states):
             return self.sampler(logits, req_states)
-        token_ids = self.sampler.sample_on_device(logits, req_states)
-        self.on_sampled(step_id, req_ids, token_ids)
-        return SamplerOutput(token_ids.cpu())
+        sample = AsyncSample(step_id, req_ids, self.sampler.sample_on_device(logits, req_states))
+        # Its copy to the host is enqueued before the ring's write: the first stage's next step,
+        # which waits for that write, cannot take a shared GPU ahead of the copy this stage awaits.
+        self.on_sampled(step_id, req_ids, sample.device_tensor)
+        return SamplerOutput(sample.host_tensor())
 
     def record_on_device(self, step_id: int, req_ids: list[str], token_ids: torch.Tensor) -> None:
         """First stage: the tokens a step sampled, on this device (token ring), for later placeholders."""
