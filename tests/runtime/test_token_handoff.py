@@ -71,7 +71,7 @@ class FakeRunner:
         self.on_device.append((step_id, req_ids, token_ids.tolist()))
 
     def record_sampled(self, req_ids, token_ids, drafts=None) -> None:
-        self.on_host.append((req_ids, token_ids))
+        self.on_host.append((req_ids, token_ids, drafts))
 
 
 def test_inbox_takes_what_a_plan_needs_and_frees_the_slots_the_last_stage_writes_next(ring):
@@ -80,13 +80,15 @@ def test_inbox_takes_what_a_plan_needs_and_frees_the_slots_the_last_stage_writes
     def on_device(step: int):
         return lambda: SampledTokens(step, ["r"], slot=writer.write(step, torch.tensor([step * 10])))
 
-    msgs = [on_device(s) if s % 2 else SampledTokens(s, ["r"], [s * 10]) for s in range(5, 12)]
+    msgs = [on_device(s) if s % 2 else SampledTokens(s, ["r"], [s * 10], [[s]]) for s in range(5, 12)]
     runner, inbox = FakeRunner(), TokenInbox(FakeQueue(msgs), reader)
     inbox.take(runner, StepPlan(5, []))  # the first plan: nothing before it to wait for
     assert inbox.first_step_id == 5 and inbox.last_step_id == -1
-    inbox.take(runner, StepPlan(9, []))  # 9 - 3 slots: step 6's slot is the one step 9 writes
+    inbox.take(runner, StepPlan(8, []))  # 8 - 3 slots: step 5's slot is the one step 8 writes
+    assert inbox.last_step_id == 5
+    inbox.take(runner, StepPlan(9, []))
     assert inbox.last_step_id == 6
-    assert runner.on_device == [(5, ["r"], [50])] and runner.on_host == [(["r"], [60])]
+    assert runner.on_device == [(5, ["r"], [50])] and runner.on_host == [(["r"], [60], [[6]])]
     inbox.take(runner, StepPlan(10, [], after_step_id=8))  # its placeholders: step 8's tokens
     assert inbox.last_step_id == 8 and runner.on_device[-1] == (7, ["r"], [70])
     inbox.queue.num_arrived = 1  # step 9's notice is in: taken with the next plan, unasked
@@ -112,7 +114,7 @@ def test_outbox_sends_one_notice_per_step(ring):
     runner.on_sampled(4, ["a", "b"], torch.tensor([1, 2]))
     outbox.send(4, ModelRunnerOutput(req_ids=["a", "b"], sampled_token_ids=[[1], [2]]))
     outbox.send_failed(4)  # a failure after the tokens went out: nothing more
-    outbox.send(5, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[3, 8]], draft_token_ids=[[9]]))
+    outbox.send(5, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[3, 4, 8]], draft_token_ids=[[9]]))
     outbox.send_failed(6)
     assert queue.msgs == [
         SampledTokens(4, ["a", "b"], slot=1),
