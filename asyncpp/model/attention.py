@@ -29,6 +29,7 @@ each other, so they are close to, not bit-identical with, one another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -83,8 +84,11 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         decode_kernel: DecodeAttention | None = None,
+        upload: Callable[[np.ndarray], torch.Tensor] | None = None,
     ) -> tuple["AttentionMetadata", np.ndarray]:
-        """Return the metadata and the positions `[num_tokens]` of the step's tokens."""
+        """Return the metadata and the positions `[num_tokens]` of the step's tokens. `upload` puts
+        an int64 array on `device` (default `to_device`; a stage stages them all in one copy)."""
+        upload = upload or (lambda a: to_device(a, device))
         num_reqs = len(num_new_tokens)
         query_start = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(num_new_tokens, out=query_start[1:])
@@ -103,9 +107,9 @@ class AttentionMetadata:
             context_lens = positions + 1
             kernel_rows = _KernelRows(
                 fn=decode_kernel,
-                rows=torch.arange(num_tokens, dtype=torch.int64, device=device),
-                block_table=to_device(block_table[req_of_token], device),
-                context_lens=to_device(context_lens, device),
+                rows=upload(np.arange(num_tokens, dtype=np.int64)),
+                block_table=upload(block_table[req_of_token]),
+                context_lens=upload(context_lens),
                 max_context_len=int(context_lens.max()),
             )
         else:
@@ -119,7 +123,7 @@ class AttentionMetadata:
                 for reqs in batches
             ]
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping, device),
+            slot_mapping=upload(slot_mapping),
             groups=groups,
             block_size=block_size,
             kernel_rows=kernel_rows,

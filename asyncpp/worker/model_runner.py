@@ -117,7 +117,8 @@ class ModelRunner:
         self.graph_sizes = tuple(graph_sizes) if decode_kernel is not None else ()
         self.max_model_len, self.pad_slot = max_model_len, pad_slot
         self.max_num_batched_tokens, self.block_size = max_num_batched_tokens, block_size
-        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel)
+        max_blocks = -(-max_model_len // block_size) if max_model_len else 0
+        self.buffers = StepInputBuffers(max_num_batched_tokens, block_size, self.device, dtype, decode_kernel, max_blocks)
         self.sampler = Sampler(model.arch.vocab_size, self.device, isa) if model.is_last else None
         self.rejection_sampler = RejectionSampler(self.sampler) if self.sampler is not None else None
         if proposer is not None and not model.is_last:

@@ -1,9 +1,9 @@
-"""Turn a `StepPlan` into the model's inputs, written into persistent buffers.
+"""Turn a `StepPlan` into the model's inputs.
 
-The buffers (`input_ids`, `positions`) are allocated once, sized by
-`max_num_batched_tokens`, and reused every step; per step only their first
-`num_tokens` rows are written. Index math is numpy vectorised over tokens;
-the only Python loops run over requests.
+Index math is numpy vectorised over tokens; the only Python loops run over
+requests. On a GPU every int64 array of a step (token ids, positions, the
+attention rows' indices, the logits rows) goes to the device in one copy
+through persistent buffers (`asyncpp.worker.input_staging`).
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import numpy as np
 import torch
 
 from asyncpp.core.plan import PLACEHOLDER_TOKEN_ID, StepPlan
-from asyncpp.host_copy import copy_into, to_device
 from asyncpp.kernels.decode_attention import DecodeAttention
 from asyncpp.model.attention import AttentionMetadata
 from asyncpp.worker.async_output import DeviceTokens
+from asyncpp.worker.input_staging import StagedUpload
 
 
 @dataclass
 class StepInputs:
     num_tokens: int
-    input_ids: torch.Tensor  # [num_tokens] view of the persistent buffer
-    positions: torch.Tensor  # [num_tokens] view of the persistent buffer
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
     attn_meta: AttentionMetadata
     # The rows logits are computed for: per request that samples, its last token row, preceded by
     # one row per draft it verifies (speculative decoding), in request order.
@@ -41,14 +41,19 @@ class StepInputBuffers:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         decode_kernel: DecodeAttention | None = None,
+        max_blocks_per_req: int = 0,
+        staged: bool | None = None,
     ) -> None:
+        """`max_blocks_per_req` sizes the staging buffers (0: a guess; what does not fit is copied on
+        its own); `staged` forces the one-copy staging on (CPU tests) or off (default: on CUDA)."""
         self.max_num_tokens = max_num_tokens
         self.decode_kernel = decode_kernel  # None: decode attention on the torch path
         self.dtype = dtype  # of the activations: attention masks are built in it
         self.block_size = block_size
         self.device = torch.device(device)
-        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
+        # Per token: its id, position, slot, attention row, context length, logits row and block-table row.
+        capacity = max_num_tokens * (6 + (max_blocks_per_req or 64))
+        self.upload = StagedUpload(capacity, self.device, staged)
 
     def prepare(
         self,
@@ -73,18 +78,17 @@ class StepInputBuffers:
         block_table = np.zeros((len(reqs), max_blocks), dtype=np.int64)
         for i, r in enumerate(reqs):
             block_table[i, : len(r.block_ids)] = r.block_ids
+        upload = self.upload
+        upload.begin_step()
         meta, positions = AttentionMetadata.build(
-            starts, num_new, block_table, self.block_size, self.device, self.dtype, self.decode_kernel
+            starts, num_new, block_table, self.block_size, self.device, self.dtype, self.decode_kernel, upload.stage
         )
 
         token_ids = np.fromiter((t for r in reqs for t in r.token_ids), dtype=np.int64, count=num_tokens)
         on_device = None  # (rows, request ids) of placeholders whose token is still on the device
         if plan.after_step_id is not None and sampled_token_ids is not None:
             on_device = _fill_placeholders(token_ids, num_new, reqs, sampled_token_ids, latest_drafts or {})
-        copy_into(self.input_ids[:num_tokens], token_ids)
-        if on_device is not None:
-            sampled_token_ids.fill_on_device(self.input_ids, *on_device)
-        copy_into(self.positions[:num_tokens], positions)
+        input_ids, positions = upload.stage(token_ids), upload.stage(positions)
 
         last_rows = np.cumsum(num_new) - 1
         do_sample = np.fromiter(
@@ -99,12 +103,16 @@ class StepInputBuffers:
             first_rows = np.repeat(logits_rows - num_drafts - np.cumsum(num_rows) + num_rows, num_rows)
             logits_rows = first_rows + np.arange(int(num_rows.sum()))
             draft_token_ids = [_drafts_of(r, latest_drafts or {}) for r in sampling]
+        logits_indices = upload.stage(logits_rows)
+        upload.flush()
+        if on_device is not None:  # after the copy of the host's tokens
+            sampled_token_ids.fill_on_device(input_ids, *on_device)
         return StepInputs(
             num_tokens=num_tokens,
-            input_ids=self.input_ids[:num_tokens],
-            positions=self.positions[:num_tokens],
+            input_ids=input_ids,
+            positions=positions,
             attn_meta=meta,
-            logits_indices=to_device(logits_rows, self.device),
+            logits_indices=logits_indices,
             sampling_req_ids=[r.request_id for r in sampling],
             draft_token_ids=draft_token_ids,
         )
