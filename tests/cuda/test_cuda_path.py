@@ -273,6 +273,11 @@ def test_steps_with_prefill_chunks_replay_the_graphs(tiny_hf_dir, prompts, refer
     assert all(r.graphs.capture and r.graphs.num_runs[64] > 0 for r in engine.executor.runners)
 
 
+def test_inputs_go_to_the_gpu_in_one_copy_through_pinned_buffers(tiny_hf_dir):
+    upload = Engine(cuda_config(tiny_hf_dir)).executor.runners[0].buffers.upload
+    assert upload.is_staged and all(h.is_pinned() for h in upload.hosts) and upload.device_buffer.is_cuda
+
+
 def test_steps_held_on_the_device_give_the_synchronous_tokens(tiny_hf_dir, prompts, reference):
     """Async output on the GPU: each step's tokens stay on the device while the next step (its
     placeholders filled there) is enqueued; the output is built after. Tokens equal the eager path's."""

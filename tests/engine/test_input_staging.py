@@ -82,5 +82,8 @@ def test_a_host_buffer_is_reused_in_turn_and_a_flush_copies_only_what_is_new():
         assert a.tolist() == [10 * step + i for i in range(4)] and torch.equal(b, torch.full((2, 3), step))
         seen.append(upload.current)
     assert seen == [1, 0, 1]
+    upload.begin_step()
+    exact = upload.stage(np.arange(16))  # fills the buffer exactly: still staged
+    assert exact.untyped_storage().data_ptr() == upload.device_buffer.untyped_storage().data_ptr()
     too_big = upload.stage(np.arange(20))
     assert too_big.tolist() == list(range(20)) and too_big.untyped_storage().data_ptr() != upload.device_buffer.untyped_storage().data_ptr()
