@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncpp.fast_frozen import fast_init
 
+
+@fast_init
 @dataclass(frozen=True)
 class RequestUpdate:
     request_id: str

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from asyncpp.fast_frozen import fast_init
 from asyncpp.kv_transfer.metadata import KVConnectorMetadata
 from asyncpp.sampling.params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData:
     sampling_params: SamplingParams
 
 
+@fast_init
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
@@ -44,6 +46,7 @@ class ScheduledRequest:
         return len(self.token_ids)
 
 
+@fast_init
 @dataclass(frozen=True)
 class StepPlan:
     step_id: int

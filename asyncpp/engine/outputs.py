@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncpp.fast_frozen import fast_init
 from asyncpp.worker.outputs import Logprobs
 
 
+@fast_init
 @dataclass(frozen=True)
 class RequestOutput:
     """One streamed delta of a request: text and tokens new since the previous delta."""

@@ -32,9 +32,11 @@ import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from asyncpp.fast_frozen import fast_init
 from asyncpp.tokenizer.tokenizer import Tokenizer
 
 
+@fast_init
 @dataclass(frozen=True)
 class DetokenizerDelta:
     text: str  # newly final text; may be "" while bytes or a possible stop prefix are held
