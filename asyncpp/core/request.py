@@ -79,6 +79,9 @@ class Request:
     # From the KV connector once finished (`request_finished`): what a remote engine needs to pull
     # its KV; goes out with the request's last delta.
     finished_kv_transfer_params: dict[str, Any] | None = None
+    # `all_token_ids`, kept between calls (a block's allocation reads it every step) and extended by
+    # the outputs appended since. Output tokens only ever grow, by appending.
+    _all_token_ids: list[int] = field(default_factory=list, init=False, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,7 +97,14 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """The prompt's tokens, then the outputs. Not a copy: callers must not change it."""
+        known = self._all_token_ids
+        num_new = len(self.prompt_token_ids) + len(self.output_token_ids) - len(known)
+        if num_new > 0 and len(known) >= len(self.prompt_token_ids):
+            known += self.output_token_ids[-num_new:]
+        elif num_new:  # first call (or outputs replaced, in tests): build it whole
+            known[:] = self.prompt_token_ids + self.output_token_ids
+        return known
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (a decode step wants one token)."""

@@ -245,25 +245,31 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
         is_blocked = False  # a running request was preempted or stalled: admit nobody new
         running = self._queues.running
         num_step_reqs = len(running) if max_num_reqs is None else min(len(running), max_num_reqs)
+        drafting = self.draft_policy is not None
         i = 0
         while i < len(running) and step.num_budget_tokens > 0:
             request = running[i]
-            is_blocked_in_flight = (
-                request.is_in_flight and not request.is_only_void_in_flight and not self._can_continue(request, after_step_id)
-            )
-            if is_blocked_in_flight or not (request.is_floating or step.has_room):
+            # Each step asks this of every running request: its counts are read once, not per check.
+            num_tokens = request.num_tokens
+            is_floating = False  # in flight, with known tokens left (`Request.is_floating`)
+            if request.num_in_flight:
+                if not request.is_only_void_in_flight and not self._can_continue(request, after_step_id, num_tokens):
+                    i += 1
+                    continue
+                is_floating = request.num_computed_tokens < num_tokens
+            if not (is_floating or step.has_room):
                 i += 1
                 continue
-            num_new_tokens = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = num_tokens - request.num_computed_tokens
             num_placeholders = num_draft_placeholders = 0
             drafts = None
             if num_new_tokens <= 0:  # its plan in flight samples the next token (after its drafts)
                 num_new_tokens = num_placeholders = 1
-                if request.draft_token_ids and self.draft_policy is not None:  # it drafts: so will that plan
+                if drafting and request.draft_token_ids:  # it drafts: so will that plan
                     num_in_flight = request.num_draft_tokens + 1  # tokens that plan samples, if all accepted
                     num_draft_placeholders = self._num_drafts(request, num_in_flight, step.num_budget_tokens, num_step_reqs)
                     num_new_tokens += num_draft_placeholders
-            elif num_new_tokens == 1 and request.draft_token_ids and self.draft_policy is not None:
+            elif num_new_tokens == 1 and drafting and request.draft_token_ids:
                 drafts = request.draft_token_ids[: self._num_drafts(request, 0, step.num_budget_tokens, num_step_reqs)]
                 num_new_tokens += len(drafts)
             if num_new_tokens > step.num_budget_tokens and not self.enable_chunked_prefill:
@@ -277,7 +283,7 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
                     continue
                 num_new_tokens = min(num_new_tokens, step.num_prefill_budget)
             # Positions past its known tokens: placeholders, drafts, and those of its plan in flight.
-            num_lookahead = max(0, request.num_computed_tokens + num_new_tokens - request.num_tokens)
+            num_lookahead = max(0, request.num_computed_tokens + num_new_tokens - num_tokens)
             block_ids = self._allocate_running(request, num_new_tokens, num_lookahead)
             if block_ids is not None:
                 if is_chunk:
@@ -331,19 +337,21 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
             raise ValueError(f"step {plan.step_id} came back before step {plan.after_step_id}, the plan it follows")
         del self._in_flight[plan.step_id]
         updates = []
+        step_id, has_connector, drafting = plan.step_id, self.connector is not None, self.draft_policy is not None
         for scheduled, request in zip(plan.scheduled, cohort):
             request.num_in_flight -= 1
-            if request.is_finished:  # finished while in flight: its output is dropped
+            if request.status.is_finished:  # finished while in flight: its output is dropped
                 if not request.is_in_flight and not self._holds_blocks(request):
                     self._forget(request)
                 continue
-            if self._take_void(request, plan.step_id):  # a continuation the plan before made void
-                continue
-            if self.connector is not None and self._take_recompute(request):
+            if request.void_step_id is not None and self._take_void(request, step_id):
+                continue  # a continuation the plan before made void
+            if has_connector and self._take_recompute(request):
                 continue  # it read KV a load within a plan failed to bring: computed again
             if not scheduled.do_sample:  # a prompt chunk: nothing to report
                 continue
-            if not sampled_token_ids.get(scheduled.request_id):
+            token_ids = sampled_token_ids.get(scheduled.request_id)
+            if not token_ids:
                 # A failed step: its KV is suspect. Roll back to its start (a plan continuing the
                 # request after it computed garbage too: the caller must then finish the request).
                 request.num_computed_tokens = scheduled.start_position
@@ -351,9 +359,8 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
                 request.num_draft_tokens = 0
                 request.draft_token_ids = []
                 continue
-            token_ids = sampled_token_ids[scheduled.request_id]
-            if self.draft_policy is not None:
-                self._apply_verification(request, plan.step_id, scheduled, token_ids)
+            if drafting:
+                self._apply_verification(request, step_id, scheduled, token_ids)
             if draft_token_ids is not None:
                 request.draft_token_ids = draft_token_ids.get(scheduled.request_id) or []
             new_token_ids = []
@@ -364,10 +371,11 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
                 new_token_ids.append(token_id)
                 if check_stop(request, self.max_model_len):
                     break  # tokens after a stop are dropped
-            if request.is_finished:
+            status = request.status
+            if status.is_finished:
                 self._release(request)
             stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
-            updates.append(RequestUpdate(request.request_id, new_token_ids, request.status.finish_reason, stop_reason))
+            updates.append(RequestUpdate(request.request_id, new_token_ids, status.finish_reason, stop_reason))
         return updates
 
     def discard_failed_step(self, plan: StepPlan) -> list[str]:
@@ -394,11 +402,11 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
                 num_tokens += num_left
         return num_tokens
 
-    def _can_continue(self, request: Request, after_step_id: int | None) -> bool:
-        """May an in-flight request be scheduled in the plan after `after_step_id`?"""
+    def _can_continue(self, request: Request, after_step_id: int | None, num_tokens: int) -> bool:
+        """May an in-flight request (of `num_tokens` tokens) be scheduled in the plan after `after_step_id`?"""
         if request.void_step_id is not None:
             return False
-        if request.num_computed_tokens < request.num_tokens:  # the next prompt chunk: its tokens are known
+        if request.num_computed_tokens < num_tokens:  # the next prompt chunk: its tokens are known
             # Async: in any plan, however many hold its earlier chunks (stages run plans in order).
             return self.async_scheduling or (request.num_in_flight == 1 and request.last_step_id == after_step_id)
         if request.num_in_flight != 1 or after_step_id is None or request.last_step_id != after_step_id:
@@ -408,7 +416,7 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
         num_new = request.num_draft_tokens + 1
         return (
             request.num_output_tokens + num_new < request.sampling_params.max_tokens
-            and request.num_tokens + num_new < self.max_model_len
+            and num_tokens + num_new < self.max_model_len
         )
 
     def _release(self, request: Request) -> None:

@@ -192,7 +192,9 @@ class BlockManager:
         for _ in range(num_new_blocks):
             table.append(self._pop_free_block())
         if self.enable_prefix_caching:
-            self._register_full_blocks(request_id, table, token_ids, min(num_total_tokens, len(token_ids)))
+            num_full_blocks = min(num_total_tokens, len(token_ids)) // self.block_size
+            if num_full_blocks > len(self._request_block_hashes[request_id]):  # most decode steps fill none
+                self._register_full_blocks(request_id, table, token_ids, num_full_blocks)
         return list(table)
 
     def allocate_for_load(
@@ -331,10 +333,9 @@ class BlockManager:
         return block_id
 
     def _register_full_blocks(
-        self, request_id: str, table: list[int], token_ids: Sequence[int], num_total_tokens: int
+        self, request_id: str, table: list[int], token_ids: Sequence[int], num_full_blocks: int
     ) -> None:
         hashes = self._request_block_hashes[request_id]
-        num_full_blocks = num_total_tokens // self.block_size
         for i in range(len(hashes), num_full_blocks):
             parent = hashes[-1] if hashes else None
             block_hash = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])

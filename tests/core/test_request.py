@@ -23,3 +23,17 @@ def test_only_finished_statuses_are_finished():
         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
     }
     assert [s.finish_reason for s in RequestStatus] == [None, None, None, None, "stop", "length", "abort", "error"]
+
+
+def test_all_token_ids_follows_the_outputs_between_calls():
+    request = Request("r", [1, 2, 3], SamplingParams(), output_token_ids=[4])
+    assert request.all_token_ids == [1, 2, 3, 4]
+    kept = request.all_token_ids
+    for token_id in (5, 6):
+        request.output_token_ids.append(token_id)
+        assert request.all_token_ids == [1, 2, 3, 4, 5, 6][: request.num_tokens]
+    request.output_token_ids.extend([7, 8])
+    assert request.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8] and request.all_token_ids is kept  # extended, not rebuilt
+    request.output_token_ids = [9]  # replaced whole (a test setting a request up): rebuilt
+    assert request.all_token_ids == [1, 2, 3, 9]
+    assert request.prompt_token_ids == [1, 2, 3]  # the prompt list itself is never extended
