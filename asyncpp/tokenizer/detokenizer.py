@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         self._stops = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending_bytes = b""  # the start of a UTF-8 character whose other bytes are to come
         self._held_text = ""  # decoded, not yet emitted: could begin a stop string
         self._emitted: list[str] = []
         self._is_finished = False
@@ -74,7 +74,7 @@ class IncrementalDetokenizer:
             new_bytes = self._bytes_of(new_token_ids[0])
         else:
             new_bytes = b"".join(self._bytes_of(token_id) for token_id in new_token_ids)
-        new_text = self._utf8.decode(new_bytes)
+        new_text = self._decode(new_bytes, final=False)
         if not self._stops:  # nothing to look for or hold back: all of it is final
             self._emitted.append(new_text)
             return DetokenizerDelta(new_text, None)
@@ -98,7 +98,14 @@ class IncrementalDetokenizer:
         if self._is_finished or self.stop_string is not None:
             return ""
         self._is_finished = True
-        return self._emit(self._utf8.decode(b"", final=True), is_final=True).text
+        return self._emit(self._decode(b"", final=True), is_final=True).text
+
+    def _decode(self, new_bytes: bytes, final: bool) -> str:
+        """What `codecs`' incremental UTF-8 decoder (errors="replace") does, without its Python frame."""
+        data = self._pending_bytes + new_bytes if self._pending_bytes else new_bytes
+        text, num_consumed = codecs.utf_8_decode(data, "replace", final)
+        self._pending_bytes = data[num_consumed:]
+        return text
 
     def _bytes_of(self, token_id: int) -> bytes:
         if token_id in self._skipped_ids or not 0 <= token_id < len(self._token_bytes):
