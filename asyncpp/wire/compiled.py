@@ -8,7 +8,9 @@ time: a `list[int]` is checked with one C-level pass and passed through.
 
 Contract (the generic walker stays the reference):
 * `encoder_for(hint)(value)` returns what `to_plain(value)` returns, up to
-  tuples standing for lists (msgpack packs both as arrays).
+  tuples standing for lists (msgpack packs both as arrays). What it returns
+  may share the value's own lists and maps (a dataclass of plain fields
+  gives its instance dict): it is for packing, never to be changed.
 * `decoder_for(hint)(value)` returns what `from_plain(hint, value, ...)`
   returns for every value msgpack can produce, or raises `Mismatch` where the
   reference would raise (or, for a hint it does not compile, where it has not
@@ -88,7 +90,20 @@ def _dataclass_encoder(cls: type) -> Encoder:
     names = [f.name for f in dataclasses.fields(cls)]
     plain = [n for n in names if encoder_for(hints[n]) is None]
     if len(plain) == len(names):
-        return lambda obj: {n: getattr(obj, n) for n in names} if type(obj) is cls else to_plain(obj)
+        num_fields = len(names)
+
+        def encode_plain(obj: Any) -> Any:
+            # Its instance dict is the field map itself, in field order (`__init__` sets them in
+            # order): a plan's hundreds of entries are packed from it as they are. One holding
+            # anything else (set behind the dataclass's back) is mapped field by field.
+            if type(obj) is not cls:
+                return to_plain(obj)
+            fields = getattr(obj, "__dict__", None)
+            if fields is not None and len(fields) == num_fields:
+                return fields
+            return {n: getattr(obj, n) for n in names}
+
+        return encode_plain
     fields = [(n, encoder_for(hints[n])) for n in names]
 
     def encode(obj: Any) -> Any:

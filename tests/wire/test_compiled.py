@@ -107,3 +107,12 @@ def _types(value):
     if hasattr(value, "__dataclass_fields__"):
         return (type(value).__name__, [(n, _types(getattr(value, n))) for n in value.__dataclass_fields__])
     return type(value).__name__
+
+
+def test_a_plain_dataclass_holding_an_extra_attribute_still_sends_only_its_fields():
+    from asyncpp.core.plan import ScheduledRequest
+
+    entry = ScheduledRequest("a", [5], 3, [0], True)
+    assert encoder_for(ScheduledRequest)(entry) == to_plain(entry)
+    object.__setattr__(entry, "note", "set behind the dataclass's back")
+    assert encoder_for(ScheduledRequest)(entry) == to_plain(entry) and "note" not in encoder_for(ScheduledRequest)(entry)
