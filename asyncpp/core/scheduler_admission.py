@@ -22,6 +22,10 @@ class AdmissionScheduling:
     def _allocate_running(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> list[int] | None:
         """Get blocks for a running request, preempting younger ones as needed: its block table (a copy),
         or None if it must wait."""
+        num_total_tokens = request.num_computed_tokens + num_new_tokens
+        block_ids = self._block_manager.covering_table(request.request_id, num_total_tokens, request.num_tokens)
+        if block_ids is not None:  # it holds the blocks already (most decode steps)
+            return block_ids
         while True:
             block_ids = self._block_manager.allocate_slots(
                 request.request_id,

@@ -107,6 +107,22 @@ class BlockManager:
         """Hashes of the request's full blocks whose tokens are known and whose KV is (being) computed."""
         return list(self._request_block_hashes.get(request_id, ()))
 
+    def covering_table(self, request_id: str, num_total_tokens: int, num_known_tokens: int) -> list[int] | None:
+        """What `allocate_slots` returns for a request that already holds blocks covering
+        `num_total_tokens`, none of them newly full of its `num_known_tokens` known tokens (nothing
+        to hash): a copy of its table, nothing changed. None where `allocate_slots` has work to do.
+
+        Most decode steps are this case (a new block every `block_size` tokens): they skip the
+        argument checks and the token list `allocate_slots` needs."""
+        table = self._block_tables.get(request_id)
+        if table is None or len(table) * self.block_size < num_total_tokens:
+            return None
+        if self.enable_prefix_caching:
+            num_full_blocks = min(num_total_tokens, num_known_tokens) // self.block_size
+            if num_full_blocks > len(self._request_block_hashes[request_id]):
+                return None
+        return list(table)
+
     def get_computed_blocks(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """Longest cached run of full leading blocks: (block_ids, num_computed_tokens).
 

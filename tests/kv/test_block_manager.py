@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from asyncpp.kv.block_manager import BlockManager
@@ -255,3 +257,46 @@ def test_quarantined_blocks_leave_the_free_queue_and_the_cache_until_each_read_i
     assert bm.num_quarantined_blocks == 0 and bm.num_free_blocks == 2
     bm.free("b")
     _check_accounting(bm, [])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_covering_table_is_allocate_slots_when_there_is_nothing_to_do(seed: int) -> None:
+    """Two managers grow the same requests step by step (decode tokens, placeholders past the known
+    tokens, shared prefixes): one asks `covering_table` first, the other always `allocate_slots`.
+    They return the same tables and end in the same state, across block boundaries and hashing."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4, 16])
+    caching = seed % 3 != 2
+    fast, slow = (BlockManager(64, block_size, enable_prefix_caching=caching) for _ in range(2))
+    prefix = [rng.randrange(50) for _ in range(3 * block_size)]
+    tokens = {f"r{i}": prefix[: rng.randrange(len(prefix))] + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
+              for i in range(4)}  # fmt: skip
+    computed = dict.fromkeys(tokens, 0)
+    num_fast_hits = 0
+    for _ in range(60):
+        request_id = rng.choice(list(tokens))
+        token_ids = tokens[request_id]
+        if computed[request_id] == 0:
+            for bm in (fast, slow):
+                assert _start(bm, request_id, token_ids) is not None
+            computed[request_id] = len(token_ids)
+            continue
+        num_lookahead = rng.choice([0, 1, 1, 2])  # placeholders of plans in flight
+        num_new = rng.randrange(1, 3)
+        if computed[request_id] + num_new > len(token_ids) + num_lookahead:
+            token_ids.append(rng.randrange(50))  # a sampled token arrives
+            continue
+        num_total = computed[request_id] + num_new
+        table = fast.covering_table(request_id, num_total, len(token_ids))
+        expected = slow.allocate_slots(request_id, token_ids, num_new, computed[request_id], num_lookahead_tokens=num_lookahead)
+        if table is None:
+            table = fast.allocate_slots(request_id, token_ids, num_new, computed[request_id], num_lookahead_tokens=num_lookahead)
+        else:
+            num_fast_hits += 1
+        assert table == expected
+        if expected is not None:
+            computed[request_id] = num_total
+        for request in tokens:
+            assert fast.block_ids(request) == slow.block_ids(request) and fast.block_hashes(request) == slow.block_hashes(request)
+        assert fast._free_queue == slow._free_queue and fast._cached_block_by_hash == slow._cached_block_by_hash
+    assert num_fast_hits > 0 or block_size == 1
