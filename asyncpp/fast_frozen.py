@@ -1,14 +1,19 @@
-"""`fast_init`: a frozen dataclass whose `__init__` costs what a mutable one's does.
+"""`fast_init`: a frozen dataclass with a cheaper `__init__`, for messages of many fields.
 
 The `__init__` that `dataclass(frozen=True)` writes sets each field through
-`object.__setattr__` (its own `__setattr__` refuses): about 0.15 us a field,
-so an 11-field `RequestOutput` cost ~2 us to build, several times what the
-same class costs unfrozen. The engine builds a few such messages per request
-per step (a plan entry, an update, a delta, an output): at 256 requests that
-was a good part of a step's host time. `fast_init` replaces the generated
-`__init__` by one with the same signature (defaults, default factories,
-`__post_init__`) that fills the instance's `__dict__` in one call.
-Everything else the dataclass is stays: frozen, equality, hash, repr, fields.
+`object.__setattr__` (its own `__setattr__` refuses): ~0.15 us a field, so an
+11-field `RequestOutput` took ~2-3 us to build. The engine builds a plan
+entry and an output per request per step: at 256 requests that was a good
+part of a step's host time. `fast_init` replaces the generated `__init__` by
+one with the same signature (defaults, default factories, `__post_init__`)
+that fills the instance's `__dict__` in one call: about half the time
+(measured with timeit on a Zen 4: `RequestOutput` 3.2 -> 1.7 us,
+`ScheduledRequest` 1.0 -> 0.6 us). Everything else the dataclass is stays:
+frozen, equality, hash, repr, fields.
+
+The price: the instance keeps a real dict (~350 bytes more than the compact
+attribute storage it would have had), so it pays for classes of many fields;
+two or four fields build as fast stock (or as a `NamedTuple`).
 
 Classes with `slots=True` (no `__dict__`), `InitVar`s, keyword-only or
 `init=False` fields are refused: none of the messages it serves has them.

@@ -7,11 +7,9 @@ from dataclasses import InitVar, dataclass, field
 
 import pytest
 
-from asyncpp.core.outputs import RequestUpdate
 from asyncpp.core.plan import ScheduledRequest
 from asyncpp.engine.outputs import RequestOutput
 from asyncpp.fast_frozen import fast_init
-from asyncpp.tokenizer.detokenizer import DetokenizerDelta
 
 
 def _sample_class() -> type:
@@ -55,8 +53,6 @@ def test_same_instance_as_the_stock_init_for_every_way_of_calling_it():
     "cls, args",
     [
         (ScheduledRequest, ("r", [1, 2], 4, [0, 1], True)),
-        (RequestUpdate, ("r", [7], None, None)),
-        (DetokenizerDelta, ("text", None)),
         (RequestOutput, ("r", "t", [5], True, "stop", 2, None, 64, 16)),
     ],
 )

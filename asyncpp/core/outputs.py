@@ -8,13 +8,13 @@ stop strings).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from asyncpp.fast_frozen import fast_init
 
+class RequestUpdate(NamedTuple):
+    """Immutable; a named tuple, not a frozen dataclass: one is built per request per step, and
+    a tuple of four builds in half the time (it never crosses the wire)."""
 
-@fast_init
-@dataclass(frozen=True)
-class RequestUpdate:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None  # RequestStatus.finish_reason; None while still running

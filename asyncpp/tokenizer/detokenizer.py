@@ -30,15 +30,15 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
-from asyncpp.fast_frozen import fast_init
 from asyncpp.tokenizer.tokenizer import Tokenizer
 
 
-@fast_init
-@dataclass(frozen=True)
-class DetokenizerDelta:
+class DetokenizerDelta(NamedTuple):
+    """Immutable; a named tuple, not a frozen dataclass: one is built per token of every request,
+    and a tuple builds in half the time."""
+
     text: str  # newly final text; may be "" while bytes or a possible stop prefix are held
     stop_string: str | None  # the stop string that ended the request, if one did now
 
