@@ -26,7 +26,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self._tracked: dict[str, _Tracked] = {}
-        tokenizer.token_bytes_table()  # built now (~30 ms for a 49k vocabulary), not for the first request
+        tokenizer.token_bytes_by_id()  # built now (~30 ms for a 49k vocabulary), not for the first request
 
     def add_request(self, request: Request) -> None:
         """Track a request; output tokens it starts with (a remote engine streamed them) are fed to its

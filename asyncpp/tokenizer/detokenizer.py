@@ -18,7 +18,7 @@ Contract, for the output token ids fed so far through `add_tokens` (and
 
 Why bytes instead of re-decoding a window of tokens (vLLM's prefix/read
 offsets): every tokenizer we load is byte-level, so each id maps to fixed
-bytes (`Tokenizer.token_bytes_table`) and decoding is "concatenate bytes,
+bytes (`Tokenizer.token_bytes_by_id`) and decoding is "concatenate bytes,
 UTF-8 decode with replacement". The stdlib incremental UTF-8 decoder then
 holds partial characters exactly, costs O(new bytes) per call, and has no
 unbounded window when a model emits invalid bytes. The prompt does not affect
@@ -49,8 +49,7 @@ class IncrementalDetokenizer:
                  include_stop_str_in_output: bool = False) -> None:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop strings must be non-empty str, got {stop!r}")
-        self._token_bytes = tokenizer.token_bytes_table()
-        self._skipped_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._bytes_by_id = tokenizer.token_bytes_by_id(skip_special_tokens)  # ids decode drops are absent
         self._stops = tuple(stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
@@ -70,10 +69,11 @@ class IncrementalDetokenizer:
             raise RuntimeError(f"detokenizer already stopped at stop string {self.stop_string!r}")
         if self._is_finished:
             raise RuntimeError("detokenizer was flushed; the request is finished")
+        bytes_of = self._bytes_by_id.get
         if len(new_token_ids) == 1:  # a decode step: skip the join
-            new_bytes = self._bytes_of(new_token_ids[0])
+            new_bytes = bytes_of(new_token_ids[0], b"")
         else:
-            new_bytes = b"".join(self._bytes_of(token_id) for token_id in new_token_ids)
+            new_bytes = b"".join([bytes_of(token_id, b"") for token_id in new_token_ids])
         new_text = self._decode(new_bytes, final=False)
         if not self._stops:  # nothing to look for or hold back: all of it is final
             self._emitted.append(new_text)
@@ -106,11 +106,6 @@ class IncrementalDetokenizer:
         text, num_consumed = codecs.utf_8_decode(data, "replace", final)
         self._pending_bytes = data[num_consumed:]
         return text
-
-    def _bytes_of(self, token_id: int) -> bytes:
-        if token_id in self._skipped_ids or not 0 <= token_id < len(self._token_bytes):
-            return b""  # decode drops unknown ids too
-        return self._token_bytes[token_id]
 
     def _emit(self, new_text: str, *, is_final: bool) -> DetokenizerDelta:
         # Invariant: a stop string that ends in `new_text` starts within

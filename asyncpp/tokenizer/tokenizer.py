@@ -39,6 +39,7 @@ class Tokenizer:
         self._add_bos_token = (bos_token_id is not None and
                                backend.encode("", add_special_tokens=True).ids[:1] == [bos_token_id])
         self._token_bytes: list[bytes] | None = None  # built on first use
+        self._token_bytes_by_id: dict[bool, dict[int, bytes]] = {}  # by skip_special_tokens, built on first use
 
     # -- constructors ------------------------------------------------------
 
@@ -117,6 +118,16 @@ class Tokenizer:
                 table[token_id] = token_bytes(token)
             self._token_bytes = table
         return self._token_bytes
+
+    def token_bytes_by_id(self, skip_special_tokens: bool = True) -> dict[int, bytes]:
+        """`token_bytes_table` as a map holding only the ids `decode` does not drop (unknown ids,
+        and special ones when skipping): a detokenizer's one lookup per token. Built once."""
+        by_id = self._token_bytes_by_id.get(skip_special_tokens)
+        if by_id is None:
+            skipped = self._special_ids if skip_special_tokens else frozenset()
+            by_id = {i: b for i, b in enumerate(self.token_bytes_table()) if i not in skipped}
+            self._token_bytes_by_id[skip_special_tokens] = by_id
+        return by_id
 
     def backend_json(self) -> str:
         """The Rust tokenizer as `tokenizer.json` text (what grammar engines build their vocabulary from)."""
