@@ -249,6 +249,9 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
         i = 0
         while i < len(running) and step.num_budget_tokens > 0:
             request = running[i]
+            if after_step_id is not None and self._continue_decoding(request, after_step_id, step):
+                i += 1
+                continue
             # Each step asks this of every running request: its counts are read once, not per check.
             num_tokens = request.num_tokens
             is_floating = False  # in flight, with known tokens left (`Request.is_floating`)
@@ -411,13 +414,41 @@ class Scheduler(AdmissionScheduling, KVTransferScheduling, SpecDecodeScheduling,
             return self.async_scheduling or (request.num_in_flight == 1 and request.last_step_id == after_step_id)
         if request.num_in_flight != 1 or after_step_id is None or request.last_step_id != after_step_id:
             return False
-        # The tokens its plan samples (its drafts, if all accepted, then one more) are its last unless
-        # stop checks finish it; do not compute a token after ones that finish it by length for sure.
+        return self._outlives_plan_in_flight(request, num_tokens)
+
+    def _outlives_plan_in_flight(self, request: Request, num_tokens: int) -> bool:
+        """The tokens its plan in flight samples (its drafts, if all accepted, then one more) are its
+        last unless stop checks finish it; do not compute a token after ones that finish it by
+        length for sure."""
         num_new = request.num_draft_tokens + 1
         return (
             request.num_output_tokens + num_new < request.sampling_params.max_tokens
             and num_tokens + num_new < self.max_model_len
         )
+
+    def _continue_decoding(self, request: Request, after_step_id: int, step: StepBuilder) -> bool:
+        """The common step of async decoding, taken before the general path of `schedule`: a request
+        in flight once, in plan `after_step_id`, every known token computed and no drafts, whose
+        blocks already cover one more token, continues with one placeholder. Returns whether it did;
+        otherwise nothing changed and the general path decides. Where both apply they give the
+        same entry (tests/core/test_scheduler_decode_path.py)."""
+        if (
+            request.num_in_flight != 1
+            or request.last_step_id != after_step_id
+            or request.void_step_id is not None
+            or request.draft_token_ids
+            or request.num_draft_tokens
+        ):
+            return False
+        num_tokens = request.num_tokens
+        num_computed = request.num_computed_tokens
+        if num_computed < num_tokens or not step.has_room or not self._outlives_plan_in_flight(request, num_tokens):
+            return False
+        block_ids = self._block_manager.covering_table(request.request_id, num_computed + 1, num_tokens)
+        if block_ids is None:  # a new block (or one to hash, or preemption): the general path
+            return False
+        step.add(request, 1, block_ids, num_placeholders=1)
+        return True
 
     def _release(self, request: Request) -> None:
         """Take a request that just got a finished status out of the queues and free its blocks.
