@@ -222,23 +222,18 @@ class EngineCore:
             plan, output.sampled_by_request(), self.merge_kv_outputs(outputs), output.drafts_by_request()
         )
         results = []
-        for update in updates:
-            token_logprobs = logprobs.get(update.request_id)
+        process = self.output_processor.process
+        for request_id, new_token_ids, finish_reason, stop_reason in updates:
+            token_logprobs = logprobs.get(request_id)
             if token_logprobs is not None:  # several tokens in a step: none past a stop
-                token_logprobs = token_logprobs[: len(update.new_token_ids)]
-            out = self.output_processor.process(
-                update.request_id,
-                update.new_token_ids,
-                update.finish_reason,
-                update.stop_reason,
-                token_logprobs,
-            )
+                token_logprobs = token_logprobs[: len(new_token_ids)]
+            out = process(request_id, new_token_ids, finish_reason, stop_reason, token_logprobs)
             if out is None:
                 continue
-            if out.finished and update.finish_reason is None:  # a stop string ended it
-                for request in self.scheduler.finish_requests([update.request_id], RequestStatus.FINISHED_STOPPED):
+            if out.finished and finish_reason is None:  # a stop string ended it
+                for request in self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED):
                     out = dataclasses.replace(out, kv_transfer_params=request.finished_kv_transfer_params)
-            elif out.finish_reason != update.finish_reason and out.kv_transfer_params is not None:
+            elif out.finish_reason != finish_reason and out.kv_transfer_params is not None:
                 # a stop string in the token the scheduler finished it at (and handed out params for)
                 out = self._withdraw_handout(out)
             if out.finished:
