@@ -76,13 +76,24 @@ def encoder_for(hint: Any) -> Encoder | None:
         if item is None:
             return order or list
         if order is None:
+            inner = _optional_inner(args[0])
+            if inner is not None:  # columns of mostly None (a step's deltas' logprobs): no call for a None
+                return lambda value: [None if v is None else inner(v) for v in value]
             return lambda value: [item(v) for v in value]
         return lambda value: [item(v) for v in order(value)]
-    if _is_union(hint) and len(args) == 2 and _NONE in args:
-        (inner,) = [a for a in args if a is not _NONE]
-        item = encoder_for(inner)
-        return lambda value: None if value is None else item(value)
+    inner = _optional_inner(hint)
+    if inner is not None:
+        return lambda value: None if value is None else inner(value)
     return to_plain
+
+
+def _optional_inner(hint: Any) -> Encoder | None:
+    """For `X | None` where X needs encoding: X's encoder (None for any other hint)."""
+    args = _args(hint)
+    if not (_is_union(hint) and len(args) == 2 and _NONE in args):
+        return None
+    (inner,) = [a for a in args if a is not _NONE]
+    return encoder_for(inner)
 
 
 def _dataclass_encoder(cls: type) -> Encoder:
