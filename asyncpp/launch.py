@@ -150,7 +150,7 @@ def stage_cpus(config: EngineConfig, pp_size: int) -> list[tuple[int, ...]]:
 
 def max_steps_in_flight(config: EngineConfig) -> int:
     """One activation ring slot per step that can be in flight."""
-    return config.parallel.steps_in_flight * (2 if config.scheduler.async_scheduling else 1)
+    return config.steps_in_flight * (2 if config.scheduler.async_scheduling else 1)
 
 
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
@@ -201,7 +201,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
             core,
             stages,
             router,
-            max_cohorts=config.parallel.steps_in_flight,
+            max_cohorts=config.steps_in_flight,
             async_scheduling=config.scheduler.async_scheduling,
             grace_period_s=config.server.grace_period_s,
             compute_plan=plan,

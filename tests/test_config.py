@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def test_default_config_is_the_documented_deployment():
     assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "auto", "cpu")
     assert (config.model.cpu_isa, config.model.weight_format) == ("auto", "auto")
     assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
-    assert config.parallel.steps_in_flight == 2  # one cohort per stage
+    assert config.steps_in_flight == 2  # one cohort per stage
     assert config.server.host == "127.0.0.1"
     assert config.parallel.step_timeout_s == 60.0  # generous: a long prompt chunk on a slow CPU
 
@@ -162,3 +163,49 @@ def test_what_shift_layers_comes_to_is_logged_once_at_start_up():
     assert (level, event, fields["shift_layers"]) == ("warning", "shift_layers_off", 3) and "KV connector" in fields["reason"]
     assert logged({"parallel": {"pp_size": 2, "shift_layers": 3}}) == []  # set, and it applies
     assert logged({"parallel": {"shift_layers": -1}}) == []  # one stage: nothing to shift
+
+
+@pytest.mark.parametrize(
+    "parallel,model_device,expected",
+    [
+        ({"pp_size": 2}, "cuda", 1),  # both stages on cuda:0: their steps take turns on it
+        ({"pp_size": 2, "devices": ["cuda:0", "cuda"]}, "cuda", 1),
+        ({"pp_size": 2, "devices": ["cuda:0", "cuda:1"]}, "cuda", 2),
+        ({"pp_size": 3}, "cpu", 3),
+        ({"pp_size": 1}, "cuda", 1),
+        ({"pp_size": 2, "max_steps_in_flight": 3}, "cuda", 3),
+    ],
+)
+def test_cohorts_in_flight_one_per_stage_unless_the_stages_share_a_gpu(parallel, model_device, expected):
+    config = config_from_dict({"model": {"device": model_device}, "parallel": parallel})
+    assert config.steps_in_flight == expected
+
+
+@pytest.mark.parametrize(
+    "sections,expected",
+    [
+        ({"model": {"device": "cuda"}, "parallel": {"pp_size": 2}}, True),  # auto: between local CUDA stages
+        ({"parallel": {"pp_size": 2}}, False),  # CPU: tokens in messages
+        ({"parallel": {"pp_size": 2, "token_handoff": "ring"}}, True),  # CPU stages on request (tests)
+        ({"model": {"device": "cuda"}, "parallel": {"pp_size": 2, "token_handoff": "host"}}, False),
+        ({"model": {"device": "cuda"}, "parallel": {"pp_size": 1}}, False),
+        ({"model": {"device": "cuda"}, "parallel": {"pp_size": 2}, "scheduler": {"async_scheduling": False}}, False),
+        ({"model": {"device": "cuda"}, "parallel": {"pp_size": 2, "backend": "ray"}}, False),
+    ],
+)
+def test_token_ring_where_it_applies(sections, expected):
+    assert config_from_dict(sections).uses_token_ring == expected
+
+
+@pytest.mark.parametrize(
+    "sections,reason",
+    [
+        ({"parallel": {"pp_size": 1, "token_handoff": "ring"}}, "pp_size > 1"),
+        ({"parallel": {"pp_size": 2, "token_handoff": "ring"}, "scheduler": {"async_scheduling": False}}, "async_scheduling"),
+        ({"parallel": {"pp_size": 2, "token_handoff": "ring", "backend": "ray"}}, "backend = 'local'"),
+        ({"parallel": {"token_handoff": "gpu"}}, "must be one of"),
+    ],
+)
+def test_a_token_ring_that_cannot_apply_is_refused_naming_why(sections, reason):
+    with pytest.raises(ConfigError, match=f"parallel.token_handoff.*{re.escape(reason)}"):
+        config_from_dict(sections)
