@@ -64,6 +64,23 @@ def hf_smollm2():
 
 
 @pytest.fixture(scope="session")
+def real_pp2_engine(tmp_path_factory):
+    """The real SmolLM2 launched at pp=2 (`real_sections(2)`) with its HTTP server: (engine, base url), up
+    for the session. A real-model launch costs ~10 s, so tests that only compare its greedy answers
+    share it; each must finish everything it submits."""
+    skip_without_real_model()
+    from tests.http.test_openai_server import free_port
+    from tests.runtime.harness import launched, real_sections
+
+    port = free_port()
+    sections = real_sections(2)
+    sections["server"]["http_port"] = port
+    with launched(tmp_path_factory.mktemp("real-pp2"), sections, ready_timeout_s=300) as engine:
+        yield engine, f"http://127.0.0.1:{port}"
+    assert engine.proc.returncode == 0, "".join(engine.output[-40:])
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory) -> Path:
     """The deterministic random `tiny-llama` saved as an HF directory (float32) with a byte-level tokenizer."""
     directory = tmp_path_factory.mktemp("tiny-llama-hf")

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from asyncpp.client import AsyncClient
 from tests.runtime.conftest import collect
-from tests.runtime.harness import launched
-from tests.runtime.test_real_model_pp import CHATS, GREEDY, real_sections
+from tests.runtime.test_real_model_pp import CHATS, GREEDY
 
 openai = pytest.importorskip("openai")
 
@@ -20,24 +18,19 @@ pytestmark = [
 ]
 
 
-async def test_real_model_chat_over_http_equals_native(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sections = real_sections(2)
-    sections["server"]["http_port"] = port
-    with launched(tmp_path, sections, ready_timeout_s=300) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            native = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in CHATS)), 180)
-        finally:
-            client.close()
-        oai = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        model = (await oai.models.list()).data[0].id
-        assert model == "SmolLM2-135M-Instruct"
-        answers = await asyncio.gather(
-            *(oai.chat.completions.create(model=model, messages=c, max_tokens=GREEDY.max_tokens, temperature=0) for c in CHATS)
-        )
+async def test_real_model_chat_over_http_equals_native(real_pp2_engine):
+    engine, base_url = real_pp2_engine
+    client = AsyncClient(engine.address)
+    try:
+        native = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in CHATS)), 180)
+    finally:
+        client.close()
+    oai = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused")
+    model = (await oai.models.list()).data[0].id
+    assert model == "SmolLM2-135M-Instruct"
+    answers = await asyncio.gather(
+        *(oai.chat.completions.create(model=model, messages=c, max_tokens=GREEDY.max_tokens, temperature=0) for c in CHATS)
+    )
     for chat, (tokens, text, reason), answer in zip(CHATS, native, answers):
         assert answer.choices[0].message.content == text, chat
         assert answer.choices[0].finish_reason == reason

@@ -67,26 +67,23 @@ async def test_tiny_pp2_evicted_prefix_comes_back_from_every_stage_store(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.real_model
-async def test_real_model_pp2_offload_is_token_exact(tmp_path):
-    from tests.runtime.test_real_model_pp import real_sections
+async def test_real_model_pp2_offload_is_token_exact(tmp_path, real_pp2_engine):
+    from tests.runtime.harness import real_sections
 
     system = "You are a careful assistant. " + " ".join(f"Rule {i}: answer briefly and politely." for i in range(18))
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
     later = [{"role": "system", "content": system}, {"role": "user", "content": "Name a color."}]
     fillers = [[{"role": "user", "content": f"Story {k}: " + " ".join(f"word{k}{i}" for i in range(80))}] for k in (1, 2)]
     params = SamplingParams(max_tokens=16, temperature=0.0)
+    client = AsyncClient(real_pp2_engine[0].address)  # the same model and split, without the connector
+    try:
+        expected, _, _ = await collect(client, later, params)
+    finally:
+        client.close()
     sections = real_sections(2)
     sections["cache"]["num_kv_blocks_override"] = 40  # 640 tokens: the fillers flush the prefix out
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "offload").mkdir()
-    with launched(tmp_path / "plain", sections, ready_timeout_s=300) as engine:
-        client = AsyncClient(engine.address)
-        try:
-            expected, _, _ = await collect(client, later, params)
-        finally:
-            client.close()
     sections["kv_transfer"] = {"connector": "offload", "store_size_mb": 64}
-    with launched(tmp_path / "offload", sections, ready_timeout_s=300) as engine:
+    with launched(tmp_path, sections, ready_timeout_s=300) as engine:
         tokens, before, after = await serve_prefix_twice(engine, first, fillers, later, params)
     assert tokens == expected
     external = after["num_external_prefix_hit_tokens"] - before["num_external_prefix_hit_tokens"]

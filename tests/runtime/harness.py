@@ -29,6 +29,17 @@ def tiny_sections(model_dir: Path | str, pp_size: int = 1, layer_split: tuple[in
     return sections
 
 
+def real_sections(pp_size: int, shift_layers: int = 0) -> dict:
+    """The real SmolLM2 (bfloat16, from its GGUF file) at `pp_size`; `shift_layers` lets the boundary move per step."""
+    return {
+        "model": {"source": "gguf", "path": "", "dtype": "bfloat16", "max_model_len": 512},
+        "parallel": {"pp_size": pp_size, "num_threads": 1, "shift_layers": shift_layers},
+        "cache": {"block_size": 16, "kv_cache_memory_mb": 64},
+        "scheduler": {"max_num_seqs": 16, "max_num_batched_tokens": 512},
+        "server": {"host": "127.0.0.1", "port": 0, "grace_period_s": 2.0},
+    }
+
+
 class LaunchedEngine:
     def __init__(self, proc: subprocess.Popen, address: str, log_file: Path) -> None:
         self.proc = proc

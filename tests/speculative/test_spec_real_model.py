@@ -10,8 +10,8 @@ import pytest
 from asyncpp.client import AsyncClient
 from asyncpp.sampling.params import SamplingParams
 from tests.runtime.conftest import collect
-from tests.runtime.harness import launched
-from tests.runtime.test_real_model_pp import CHATS, real_sections
+from tests.runtime.harness import launched, real_sections
+from tests.runtime.test_real_model_pp import CHATS
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 

@@ -203,8 +203,7 @@ WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from tests.http.test_openai_server import free_port
-    from tests.runtime.harness import launched
-    from tests.runtime.test_real_model_pp import real_sections
+    from tests.runtime.harness import launched, real_sections
 
     port = free_port()
     sections = real_sections(2)
