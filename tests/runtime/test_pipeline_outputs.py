@@ -23,10 +23,19 @@ def in_process(tiny_hf_dir, prompts):
     return [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("pp_size,layer_split", [(1, ()), (2, (1, 3)), (2, (2, 2)), (3, (1, 1, 2))])
+@pytest.mark.parametrize("pp_size,layer_split", [(1, ()), (2, (1, 3)), (3, (1, 1, 2))])
 async def test_pipeline_equals_in_process(tmp_path, tiny_hf_dir, prompts, in_process, pp_size, layer_split):
     with launched(tmp_path, tiny_sections(tiny_hf_dir, pp_size, layer_split)) as engine:
-        results, stats = await collect_all(engine.address, prompts, GREEDY)
+        await _assert_equals_in_process(engine.address, prompts, in_process, pp_size)
+
+
+async def test_shared_pp2_engine_equals_in_process(shared_pp2_engine, prompts, in_process):
+    """pp = 2 split (2, 2): the session's shared engine (launched with exactly that config)."""
+    await _assert_equals_in_process(shared_pp2_engine.address, prompts, in_process, 2)
+
+
+async def _assert_equals_in_process(address: str, prompts, in_process, pp_size: int) -> None:
+    results, stats = await collect_all(address, prompts, GREEDY)
     assert [r[0] for r in results] == in_process
     assert all(r[2] == "length" for r in results)
     assert len(stats["stage_busy_s"]) == pp_size
