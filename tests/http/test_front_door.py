@@ -1,7 +1,7 @@
 """The HTTP front door under hostile and careless clients: never a hang, never a 5xx, nothing held.
 
 One launched engine (tiny model, pp=1) with the HTTP server serves the whole
-module, configured small so that its limits are reached cheaply: two
+module and `test_front_door_sizes` (`front_door_server`), configured small so that its limits are reached cheaply: two
 requests run at once and two more may wait (`max_num_seqs` 2,
 `max_queued_requests` 2), and the engine reads frames of at most 64 KiB.
 Every case ends by checking that the next normal request is answered right
@@ -31,9 +31,8 @@ from asyncpp.client import AsyncClient
 from asyncpp.engine.input_processor import InputProcessor
 from asyncpp.http.app import HttpSettings, build_app
 from asyncpp.tokenizer import load_tokenizer
-from tests.http.test_openai_server import free_port, metric_values
+from tests.http.test_openai_server import metric_values
 from tests.runtime.conftest import poll_until
-from tests.runtime.harness import launched, tiny_sections
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. "
@@ -50,18 +49,9 @@ FUZZ_EXAMPLES = int(os.environ.get("ASYNCPP_FUZZ_EXAMPLES", 150))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_hf_dir):
-    port = free_port()
-    sections = tiny_sections(
-        tiny_hf_dir, 1,
-        model={"source": "hf", "path": str(tiny_hf_dir), "dtype": "float32", "max_model_len": 512},
-        scheduler={"max_num_seqs": MAX_NUM_SEQS},
-        server={"http_port": port, "served_model_name": MODEL, "max_queued_requests": MAX_QUEUED,
-                "max_frame_bytes": MAX_FRAME_BYTES},
-    )  # fmt: skip
-    with launched(tmp_path_factory.mktemp("front-door"), sections) as engine:
-        engine.base_url = f"http://127.0.0.1:{port}"
-        yield engine
+def server(front_door_server):
+    """The session's front-door engine (`tests/http/conftest.py`), under this module's name for it."""
+    return front_door_server
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The HTTP front door against bodies and prompts too big: refused by their size, holding up no one.
 
 The same small launched engine as `test_front_door` (its `server` fixture,
-one of this module's own): every case ends by checking that the next normal
+the session's `front_door_server`): every case ends by checking that the next normal
 request is answered and that nothing is held.
 """
 
@@ -20,7 +20,7 @@ from asyncpp.http.app import MIN_MAX_BODY_BYTES, HttpSettings, build_app
 from asyncpp.http.front_door import OFF_LOOP_BODY_BYTES
 from asyncpp.sampling.params import MAX_STOP_STRINGS
 from asyncpp.tokenizer import load_tokenizer
-from tests.http.test_front_door import (  # noqa: F401  (server: a module fixture, this module's own)
+from tests.http.test_front_door import (  # noqa: F401  (server: the session's front-door engine)
     DEADLINE_S, JSON, LONGEST, MAX_FRAME_BYTES, MODEL, PROMPT, error_of, served_and_nothing_held, server,
 )
 # ---- 1. a prompt too big for max_model_len or for a frame --------------------------------------
