@@ -144,64 +144,72 @@ ENGINE_SECRET, CLIENT_SECRET = "test-engine-secret", "test-client-secret"
 SECRETS = {"engine_secret": ENGINE_SECRET, "client_secret": CLIENT_SECRET}
 
 
-async def test_launched_stage_handshakes_and_the_client_protocol(tmp_path, tiny_hf_dir):
+@pytest.fixture(scope="module")
+def recorder_engine(tmp_path_factory, tiny_hf_dir):
+    """A pp=2 engine (1 + 3 layers) with the handshake-recording connector and both secrets, for the
+    module's two client-protocol tests (neither stops it; only the first adds a remote engine)."""
     kv = {"connector": "handshake-recorder", "module": MODULE, "engine_id": "prefill-a"}
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv, server=SECRETS)) as engine:
-        client = AsyncClient(engine.address, secret=ENGINE_SECRET, role="engine")
-        try:
-            stats = await client.stats()
-            assert stats["handshake_keys"] == [[0, 0], [1, 0]]
-            handshake = await client.kv_handshake()
-            assert (handshake.engine_id, handshake.pp_size) == ("prefill-a", 2)
-            assert [(s.pp_rank, s.start_layer, s.end_layer) for s in handshake.stages] == [(0, 0, 1), (1, 1, 4)]
-            assert [s.agent_metadata for s in handshake.stages] == [b"agent of stage 0", b"agent of stage 1"]
-            assert [len(s.regions) for s in handshake.stages] == [2, 6]
-            assert all(s.num_blocks == stats["num_kv_blocks"] for s in handshake.stages)
-
-            await client.add_remote_engine(remote("decode-b"))
-            assert (await client.stats())["remote_engines"] == {"decode-b": [[0, 3], [3, 4]]}
-            with pytest.raises(RuntimeError, match="refused remote engine 'decode-b': no thanks"):
-                await client.add_remote_engine(remote("decode-b"))  # the connector keeps what it was told
-            with pytest.raises(RuntimeError, match="refused remote engine 'refuse-c'"):
-                await client.add_remote_engine(remote("refuse-c"))
-            # The handshakes took nothing from the stages' outputs: steps complete as before.
-            tokens = []
-            async for delta in client.generate([5, 6, 7, 8], GREEDY):
-                tokens += delta.token_ids
-            assert len(tokens) == 4
-        finally:
-            client.close()
+    sections = tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv, server=SECRETS)
+    with launched(tmp_path_factory.mktemp("recorder"), sections) as engine:
+        yield engine
     assert engine.proc.returncode == 0, "".join(engine.output[-40:])
 
 
-async def test_launched_only_the_engine_role_gets_handshakes_and_adds_engines(tmp_path, tiny_hf_dir):
+async def test_launched_stage_handshakes_and_the_client_protocol(recorder_engine):
+    client = AsyncClient(recorder_engine.address, secret=ENGINE_SECRET, role="engine")
+    try:
+        stats = await client.stats()
+        assert stats["handshake_keys"] == [[0, 0], [1, 0]]
+        handshake = await client.kv_handshake()
+        assert (handshake.engine_id, handshake.pp_size) == ("prefill-a", 2)
+        assert [(s.pp_rank, s.start_layer, s.end_layer) for s in handshake.stages] == [(0, 0, 1), (1, 1, 4)]
+        assert [s.agent_metadata for s in handshake.stages] == [b"agent of stage 0", b"agent of stage 1"]
+        assert [len(s.regions) for s in handshake.stages] == [2, 6]
+        assert all(s.num_blocks == stats["num_kv_blocks"] for s in handshake.stages)
+
+        await client.add_remote_engine(remote("decode-b"))
+        assert (await client.stats())["remote_engines"] == {"decode-b": [[0, 3], [3, 4]]}
+        with pytest.raises(RuntimeError, match="refused remote engine 'decode-b': no thanks"):
+            await client.add_remote_engine(remote("decode-b"))  # the connector keeps what it was told
+        with pytest.raises(RuntimeError, match="refused remote engine 'refuse-c'"):
+            await client.add_remote_engine(remote("refuse-c"))
+        # The handshakes took nothing from the stages' outputs: steps complete as before.
+        tokens = []
+        async for delta in client.generate([5, 6, 7, 8], GREEDY):
+            tokens += delta.token_ids
+        assert len(tokens) == 4
+    finally:
+        client.close()
+
+
+async def test_launched_only_the_engine_role_gets_handshakes_and_adds_engines(recorder_engine):
     """A client with the client secret is served, but never sees the handshake (its params key, its
     agents) nor adds an engine; a client without it, or claiming the engine role with it, is refused."""
-    kv = {"connector": "handshake-recorder", "module": MODULE, "engine_id": "prefill-a"}
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 2, (1, 3), kv_transfer=kv, server=SECRETS)) as engine:
-        client = AsyncClient(engine.address, secret=CLIENT_SECRET)
-        strangers = [AsyncClient(engine.address), AsyncClient(engine.address, secret="guess"),
-                     AsyncClient(engine.address, secret=CLIENT_SECRET, role="engine")]  # fmt: skip
-        try:
-            with pytest.raises(RuntimeError, match="engine refused the KV handshake: KVHandshakeRequest needs the engine role"):
-                await client.kv_handshake(timeout_s=30)
-            with pytest.raises(RuntimeError, match="refused remote engine 'decode-b': AddRemoteEngine needs the engine role"):
-                await client.add_remote_engine(remote("decode-b"), timeout_s=30)
-            stats = await client.stats()
-            assert stats["remote_engines"] == {}  # nothing was added
-            assert "agent of stage" not in repr(stats)
-            tokens = [t async for delta in client.generate([5, 6, 7, 8], GREEDY) for t in delta.token_ids]
-            assert len(tokens) == 4
-            for stranger in strangers:
-                with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
-                    await stranger.health(timeout_s=30)
-                with pytest.raises(ClientRefusedError):
-                    async for _ in stranger.generate([5, 6], GREEDY):
-                        pass
-        finally:
-            for c in (client, *strangers):
-                c.close()
-    assert engine.proc.returncode == 0, "".join(engine.output[-40:])
+    engine = recorder_engine
+    client = AsyncClient(engine.address, secret=CLIENT_SECRET)
+    strangers = [AsyncClient(engine.address), AsyncClient(engine.address, secret="guess"),
+                 AsyncClient(engine.address, secret=CLIENT_SECRET, role="engine")]  # fmt: skip
+    try:
+        before = await client.stats()
+        with pytest.raises(RuntimeError, match="engine refused the KV handshake: KVHandshakeRequest needs the engine role"):
+            await client.kv_handshake(timeout_s=30)
+        with pytest.raises(RuntimeError, match="refused remote engine 'decode-b': AddRemoteEngine needs the engine role"):
+            await client.add_remote_engine(remote("decode-b"), timeout_s=30)
+        stats = await client.stats()
+        assert stats["remote_engines"] == before["remote_engines"]  # nothing was added
+        assert "agent of stage" not in repr(stats)
+        tokens = [t async for delta in client.generate([5, 6, 7, 8], GREEDY) for t in delta.token_ids]
+        assert len(tokens) == 4
+        for stranger in strangers:
+            with pytest.raises(ClientRefusedError, match="refused this client's credentials"):
+                await stranger.health(timeout_s=30)
+            with pytest.raises(ClientRefusedError):
+                async for _ in stranger.generate([5, 6], GREEDY):
+                    pass
+    finally:
+        for c in (client, *strangers):
+            c.close()
+    # Logged before each refusal was sent (the log is line-buffered); the module's other test has none.
     events = [json.loads(line) for line in engine.log_file.read_text().splitlines()]
     refused = [e for e in events if e.get("event") == "engine_role_refused"]
     assert [(e["role"], e["message"]) for e in refused] == [("client", "KVHandshakeRequest"), ("client", "AddRemoteEngine")]
