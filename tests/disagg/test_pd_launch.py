@@ -196,42 +196,55 @@ def _has_pd_connector() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
-@pytest.mark.parametrize("handover", ["early", "after_prefill"])
-async def test_pd_connector_equals_one_engine(tmp_path, tiny_hf_dir, prompts, one_engine, handover):
-    """The decode engine pulls each prompt's KV from the prefill engine: same greedy tokens. Early:
-    it had every request while the prefill engine computed it; after_prefill: once it was done."""
-    sections = pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 10.0})
-    sections["disagg"]["handover"] = handover
-    with launched(tmp_path, sections) as pd:
-        results, stats = await collect_all(pd.address, prompts, GREEDY)
+@pytest.fixture(scope="module", params=["early", "after_prefill"])
+def pd_deployment(request, tmp_path_factory, tiny_hf_dir):
+    """A deployment with the real `pd` connector and the HTTP server, one per handover, shared by the
+    module's two `pd` tests (each counts its own requests); it must stop cleanly, with no traceback.
+    Early: the decode engine has every request while the prefill engine computes it; after_prefill:
+    once it is done."""
+    http_port = free_port()
+    sections = pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 60.0},
+                           server={"http_port": http_port, "served_model_name": "tiny"})  # fmt: skip
+    sections["disagg"]["handover"] = request.param
+    with launched(tmp_path_factory.mktemp(f"pd-{request.param}"), sections) as pd:
+        pd.handover, pd.base_url = request.param, f"http://127.0.0.1:{http_port}"
+        yield pd
         pd.proc.send_signal(signal.SIGTERM)
         assert pd.wait(timeout_s=30) == 0, "".join(pd.output[-40:])
-    assert [r[0] for r in results] == one_engine
-    assert stats["pd_num_handovers"] == len(prompts)
-    assert stats["decode"]["pd_num_early_handovers"] == (len(prompts) if handover == "early" else 0)
-    assert stats["decode"]["kv_num_handovers"] == len(prompts)
-    assert stats["decode"]["num_external_prefix_hit_tokens"] > 0  # KV came from the prefill engine
     assert not any("Traceback" in line for line in pd.output), "".join(pd.output[-40:])
 
 
 @pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
-@pytest.mark.parametrize("handover", ["early", "after_prefill"])
-async def test_a_stop_string_in_the_first_token_ends_the_request_as_on_one_engine(tmp_path, tiny_hf_dir, prompts, handover):
+async def test_pd_connector_equals_one_engine(pd_deployment, prompts, one_engine):
+    """The decode engine pulls each prompt's KV from the prefill engine: same greedy tokens."""
+    client = AsyncClient(pd_deployment.address)
+    try:
+        before = await client.stats()
+    finally:
+        client.close()
+    results, stats = await collect_all(pd_deployment.address, prompts, GREEDY)
+    assert [r[0] for r in results] == one_engine
+
+    decode, decode_before = stats["decode"], before["decode"]  # counts of this test's requests only
+    early = len(prompts) if pd_deployment.handover == "early" else 0
+    assert stats["pd_num_handovers"] - before["pd_num_handovers"] == len(prompts)
+    assert decode["pd_num_early_handovers"] - decode_before["pd_num_early_handovers"] == early
+    assert decode["kv_num_handovers"] - decode_before["kv_num_handovers"] == len(prompts)
+    # KV came from the prefill engine
+    assert decode["num_external_prefix_hit_tokens"] > decode_before["num_external_prefix_hit_tokens"]
+
+
+@pytest.mark.skipif(not _has_pd_connector(), reason="the 'pd' KV connector (asyncpp/kv_transfer/pd/) is not registered yet")
+async def test_a_stop_string_in_the_first_token_ends_the_request_as_on_one_engine(pd_deployment):
     """The prefill engine's token completes a stop string: a 200 with "" and finish_reason "stop",
     streamed or not, chat or completion; nothing fails, nothing stays held on either engine, and
     the next request is served."""
-    http_port = free_port()
-    sections = pd_sections(tiny_hf_dir, {"connector": "pd", "pull_timeout_s": 60.0},
-                           server={"http_port": http_port, "served_model_name": "tiny"})  # fmt: skip
-    sections["disagg"]["handover"] = handover
-    with launched(tmp_path, sections) as pd:
-        client = AsyncClient(pd.address)
-        try:
-            async with asyncio.timeout(120), httpx.AsyncClient(base_url=f"http://127.0.0.1:{http_port}", timeout=30) as http:
-                await _stops_at_the_first_token(http, client, TEXTS)
-        finally:
-            client.close()
+    client = AsyncClient(pd_deployment.address)
+    try:
+        async with asyncio.timeout(120), httpx.AsyncClient(base_url=pd_deployment.base_url, timeout=30) as http:
+            await _stops_at_the_first_token(http, client, TEXTS)
+    finally:
+        client.close()
 
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, who are you?", "Once upon a time", "1, 2, 3,",
@@ -240,6 +253,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello, who are you?", 
 
 async def _stops_at_the_first_token(http: httpx.AsyncClient, client: AsyncClient, prompts: list[str]) -> None:
     greedy = {"model": "tiny", "temperature": 0}
+    num_finished_before = (await client.stats())["pd_num_finished"]  # the deployment may have served others
     cases = []
     for prompt in prompts:  # the first token's text, for a completion and for a chat
         for path, key, body in (("/v1/completions", "text", {"prompt": prompt}),
@@ -264,7 +278,8 @@ async def _stops_at_the_first_token(http: httpx.AsyncClient, client: AsyncClient
     normal = await http.post("/v1/completions", json={**greedy, "prompt": prompts[0], "max_tokens": 16, "ignore_eos": True})
     assert normal.json()["usage"]["completion_tokens"] == 16
     stats = await client.stats()
-    assert stats["pd_num_failed"] == 0 and stats["pd_num_finished"] == 2 * len(cases[:4]) + 2 * len(prompts) + 1
+    num_finished = stats["pd_num_finished"] - num_finished_before
+    assert stats["pd_num_failed"] == 0 and num_finished == 2 * len(cases[:4]) + 2 * len(prompts) + 1
 
     def idle(s) -> bool:
         return all(e["num_running"] == e["num_waiting"] == e["num_held_for_transfer"] == e["kv_usage"] == 0
