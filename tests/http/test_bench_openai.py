@@ -9,7 +9,8 @@ import pytest
 
 from asyncpp.bench import serve
 from asyncpp.bench.runs import parse_runs
-from tests.runtime.harness import launched, tiny_sections, to_toml
+from tests.http.test_openai_server import MODEL
+from tests.runtime.harness import tiny_sections, to_toml
 
 NUM_PROMPTS = 10
 OUTPUT_LEN = 6
@@ -35,18 +36,12 @@ def test_native_and_openai_runs_of_one_invocation(tmp_path, tiny_hf_dir):
     assert any(row["metric"] == "output_throughput" for row in result["ratios"])
 
 
-def test_base_url_benchmarks_a_server_it_did_not_launch(tmp_path, tiny_hf_dir, capsys):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with launched(tmp_path, tiny_sections(tiny_hf_dir, 1, server={"http_port": port, "served_model_name": "m"})):
-        out = tmp_path / "ext.json"
-        argv = ["--base-url", f"http://127.0.0.1:{port}", *ARGS, "--result-json", str(out)]
-        assert serve.main(argv) == 0
+def test_base_url_benchmarks_a_server_it_did_not_launch(tmp_path, openai_server, capsys):
+    out = tmp_path / "ext.json"
+    argv = ["--base-url", openai_server.base_url, *ARGS, "--result-json", str(out)]
+    assert serve.main(argv) == 0
     run = json.loads(out.read_text())["runs"][0]
-    assert run["model"] == "m" and run["metrics"]["completed"] == NUM_PROMPTS
+    assert run["model"] == MODEL and run["metrics"]["completed"] == NUM_PROMPTS
     assert run["metrics"]["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
     assert "Output token throughput" in capsys.readouterr().out
 

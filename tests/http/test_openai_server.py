@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server, driven by the official `openai` client and by raw HTTP.
 
 One launched engine (tiny model, pp=2) with the HTTP server serves the whole
-module; the greedy outputs are checked against the native `AsyncClient` on
+module (the session's `openai_server`, which the bench's `--base-url` test shares); the greedy outputs are checked against the native `AsyncClient` on
 the same engine.
 """
 
@@ -32,13 +32,9 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_hf_dir):
-    port = free_port()
-    sections = tiny_sections(tiny_hf_dir, 2, (2, 2), server={"http_port": port, "served_model_name": MODEL})
-    with launched(tmp_path_factory.mktemp("http"), sections) as engine:
-        engine.base_url = f"http://127.0.0.1:{port}"
-        engine.model_dir = tiny_hf_dir
-        yield engine
+def server(openai_server):
+    """The session's OpenAI-server engine (`tests/http/conftest.py`), under this module's name for it."""
+    return openai_server
 
 
 @pytest.fixture
