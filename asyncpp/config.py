@@ -394,7 +394,12 @@ class EngineConfig:
         if self.scheduler.async_output != "auto":
             return self.scheduler.async_output == "on"
         one_stage = self.parallel.pp_size == 1 and self.scheduler.async_scheduling
-        return one_stage and self.stage_devices[0].split(":")[0] == "cuda"
+        return one_stage and self.on_cuda
+
+    @property
+    def on_cuda(self) -> bool:
+        """The stages are on CUDA devices (all of them: device kinds never mix)."""
+        return self.stage_devices[0].split(":")[0] == "cuda"
 
     @property
     def steps_in_flight(self) -> int:
@@ -404,7 +409,7 @@ class EngineConfig:
         if self.parallel.max_steps_in_flight:
             return self.parallel.max_steps_in_flight
         devices = {d if ":" in d else f"{d}:0" for d in self.stage_devices}
-        shares_a_gpu = self.parallel.pp_size > 1 and len(devices) == 1 and devices.pop().startswith("cuda")
+        shares_a_gpu = self.parallel.pp_size > 1 and len(devices) == 1 and self.on_cuda
         return 1 if shares_a_gpu else self.parallel.pp_size
 
     @property
@@ -412,7 +417,7 @@ class EngineConfig:
         """`parallel.token_handoff` resolved ("ring" where it cannot apply is refused at load)."""
         if self.parallel.token_handoff != "auto":
             return self.parallel.token_handoff == "ring"
-        return self.token_ring_off_reason is None and all(d.startswith("cuda") for d in self.stage_devices)
+        return self.token_ring_off_reason is None and self.on_cuda
 
     @property
     def token_ring_off_reason(self) -> str | None:
@@ -428,7 +433,7 @@ class EngineConfig:
         """Why `parallel.shift_layers` does not apply to this deployment (None: it does, or is 0)."""
         if not self.parallel.shift_layers or self.parallel.pp_size == 1:
             return None
-        if any(d != "cpu" for d in self.stage_devices):
+        if self.on_cuda:
             return "GPU stages: each stage's KV cache is on its own device"
         if self.kv_transfer.is_enabled:
             return "a KV connector: it places each layer's blocks on one stage"
