@@ -282,13 +282,16 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
  * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more than
  * QE_MIN_ROWS rows, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB
  * panels][k / 2 pairs] zmm, the float path's layout: 72 KB for k = 576, L2-resident) with d and m widened to float32
- * ([k / 32][NB][16] each), then runs tiles of up to 6 rows x 4 panels over it (24 zmm of partial sums,
- * acc in an L1-resident array): 4 weight loads and 6 broadcasts per 24 dpbf16. Every output is the
+ * ([k / 32][NB][16] each), then runs tiles of up to 6 rows over it, 2 panels at a time: 12 zmm of partial
+ * sums and 12 of sums, all in registers, 2 weight loads and 6 broadcasts per 12 dpbf16. (4 panels at a
+ * time kept the sums in an L1 array, and the block steps' loads, stores and spills cost: 0.94x
+ * this over SmolLM2's linears at 256 rows on Zen 4.) Every output is the
  * same operations on the same operands in the same order as in a streaming tile (pairs in order into
  * `part`, then d, then m, blocks in order), so the same bits: a row's result still does not depend on
  * its batch. */
 
 #define QE_TILE_ROWS 6
+#define QE_PANELS 2 /* panels per pass of a tile: 12 partial sums and 12 sums in registers */
 /* Fewer rows stream: with 2 streaming tiles (9-16 Q4 rows) the expansion pass costs more than the second
  * tile's own expansion (9 rows: 0.73x, 16: 1.0x, 24: 1.13x on Zen 4). */
 #define QE_MIN_ROWS 16
@@ -322,35 +325,36 @@ static inline __attribute__((always_inline)) void qe_tile(const int with_m, cons
                                                           const char *next, int64_t block_bytes, int64_t k,
                                                           out_rows y, int64_t n0, int64_t n) {
     const int64_t nb = k / QK, kpairs = k / 2;
-    float acc[QE_TILE_ROWS][NB][PANEL] __attribute__((aligned(64)));
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB; j++) _mm512_store_ps(acc[i][j], _mm512_setzero_ps());
-    for (int64_t b = 0; b < nb; b++) {
-        if (next != NULL)
-            for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + b * block_bytes + off, _MM_HINT_T1);
-        __m512 part[QE_TILE_ROWS][NB];
+    for (int j0 = 0; j0 < NB; j0 += QE_PANELS) {
+        __m512 acc[QE_TILE_ROWS][QE_PANELS];
         for (int i = 0; i < mt; i++)
-            for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
-        for (int p = 0; p < QPAIRS; p++) {
-            const int64_t kp = b * QPAIRS + p;
-            __m512bh w[NB];
-            for (int j = 0; j < NB; j++) w[j] = e->w[j * kpairs + kp];
-            for (int i = 0; i < mt; i++) {
-                const __m512bh a = x_pair(x + i * ldx, kp);
-                for (int j = 0; j < NB; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w[j]);
+            for (int j = 0; j < QE_PANELS; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            if (next != NULL && j0 == 0)
+                for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(next + b * block_bytes + off, _MM_HINT_T1);
+            __m512 part[QE_TILE_ROWS][QE_PANELS];
+            for (int i = 0; i < mt; i++)
+                for (int j = 0; j < QE_PANELS; j++) part[i][j] = _mm512_setzero_ps();
+            for (int p = 0; p < QPAIRS; p++) {
+                const int64_t kp = b * QPAIRS + p;
+                __m512bh w[QE_PANELS];
+                for (int j = 0; j < QE_PANELS; j++) w[j] = e->w[(j0 + j) * kpairs + kp];
+                for (int i = 0; i < mt; i++) {
+                    const __m512bh a = x_pair(x + i * ldx, kp);
+                    for (int j = 0; j < QE_PANELS; j++) part[i][j] = _mm512_dpbf16_ps(part[i][j], a, w[j]);
+                }
+            }
+            for (int j = 0; j < QE_PANELS; j++) {
+                const __m512 d = _mm512_load_ps(e->d + (b * NB + j0 + j) * PANEL);
+                const __m512 m = with_m ? _mm512_load_ps(e->m + (b * NB + j0 + j) * PANEL) : _mm512_setzero_ps();
+                for (int i = 0; i < mt; i++)
+                    acc[i][j] = qb_block_step(with_m, acc[i][j], part[i][j], d, m, with_m ? sx[i * nb + b] : 0.0f);
             }
         }
-        for (int j = 0; j < NB; j++) {
-            const __m512 d = _mm512_load_ps(e->d + (b * NB + j) * PANEL);
-            const __m512 m = with_m ? _mm512_load_ps(e->m + (b * NB + j) * PANEL) : _mm512_setzero_ps();
-            for (int i = 0; i < mt; i++)
-                _mm512_store_ps(acc[i][j], qb_block_step(with_m, _mm512_load_ps(acc[i][j]), part[i][j], d, m,
-                                                         with_m ? sx[i * nb + b] : 0.0f));
-        }
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < QE_PANELS && n0 + (j0 + j) * PANEL < n; j++)
+                store_panel(out_at(y, i), n0 + (j0 + j) * PANEL, n, acc[i][j]);
     }
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB && n0 + j * PANEL < n; j++)
-            store_panel(out_at(y, i), n0 + j * PANEL, n, _mm512_load_ps(acc[i][j]));
 }
 
 typedef void (*qe_tile_fn)(const uint16_t *, int64_t, const float *, const struct qb_expanded *, const char *, int64_t,

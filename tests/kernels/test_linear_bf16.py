@@ -145,6 +145,22 @@ def test_gguf_block_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, 
             assert differing == 0, f"{differing} rows change {rows} at a time, {threads} threads, {out_features}x{in_features}"
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_gguf_rows_past_one_pass_of_the_expanded_tiles_keep_their_bits(kernel, threads, fmt):
+    """Many rows run in passes of 128 rows over 4 input blocks at a time: 300 rows cross both
+    boundaries (1536 inputs: 12 passes; 96: one short one), and a row keeps the bits it gets in a
+    batch of 17 or 1."""
+    for out_features, in_features in [(70, 1536), (100, 96)]:
+        raw, _ = _gguf_case(fmt, out_features, in_features, seed=in_features)
+        packed = kernel.pack_blocks(fmt, raw, out_features, in_features)
+        x = torch.randn(300, in_features, generator=torch.Generator().manual_seed(3)).to(BF16)
+        whole = kernel.linear_blocks(fmt, x, packed, out_features)
+        for rows in (1, 17, 129, 200):
+            batched = torch.cat([kernel.linear_blocks(fmt, x[s : s + rows], packed, out_features) for s in range(0, 300, rows)])
+            differing = int((batched != whole).any(dim=1).sum())
+            assert differing == 0, f"{differing} rows change {rows} at a time, {threads} threads, {out_features}x{in_features}"
+
+
 def test_gguf_blocks_refuse_what_they_cannot_serve(kernel):
     with pytest.raises(ValueError, match="no kernel for q5_0"):
         kernel.pack_blocks("q5_0", torch.zeros(4, 22, dtype=torch.uint8), 4, 32)
