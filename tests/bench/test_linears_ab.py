@@ -1,0 +1,22 @@
+"""`python -m asyncpp.bench.linears_ab`: two builds of the kernel timed in one process, in turn."""
+
+from pathlib import Path
+
+import pytest
+
+from asyncpp.kernels.isa import cpu_info
+
+pytestmark = pytest.mark.skipif(not cpu_info().supports("avx512_bf16"), reason="the kernel needs AVX512-BF16")
+
+
+def test_two_versions_are_timed_against_the_first(capsys, monkeypatch):
+    from asyncpp.bench import linears_ab
+
+    root = Path(__file__).resolve().parents[2]
+    # Two of the model's 121 linears keep the test short; the bench runs them all.
+    monkeypatch.setattr(linears_ab, "_linears", lambda: linears_ab.__dict__["_all_linears"]()[:2])
+    assert linears_ab.main([str(root), str(root), "--rows", "17", "--repeats", "2", "--fma"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
+    assert len(lines) == 2
+    assert lines[0].endswith("median time 1.000x the first's")
+    assert all(" GMAC/s" in line and str(root) in line for line in lines)
