@@ -44,13 +44,15 @@ def test_fractions_of_the_ceilings():
     result = {"gmacs": 60.0, "weights_gbps": 9.0}
     rates = {"fma256 f32": 40.0, "fma512 f32": 80.0, "vdpbf16ps": 41.0, "vpdpbusd zmm (VNNI)": 120.0, "x": None}
     fr = kernel_fractions(result, rates, memcpy=6.0, read=12.0)
-    assert fr == {"of_best": 0.5, "of_fma": 0.75, "of_memcpy": 1.5, "of_read": 0.75}
+    assert fr == {"of_best": 0.5, "of_exact": 0.75, "of_fma": 0.75, "of_memcpy": 1.5, "of_read": 0.75}
+    bf16 = kernel_fractions(result, {**rates, "vdpbf16ps": 100.0}, memcpy=6.0, read=12.0)
+    assert (bf16["of_best"], bf16["of_exact"], bf16["of_fma"]) == (0.5, 0.6, 0.75)
     two = kernel_fractions(result, rates, memcpy=6.0, read=12.0, threads=2)
     assert (two["of_best"], two["of_fma"], two["of_memcpy"]) == (0.25, 0.375, 1.5)
     avx2 = kernel_fractions(result, {"fma256 f32": 30.0, "fma512 f32": None}, memcpy=None, read=None)
-    assert avx2 == {"of_best": 2.0, "of_fma": 2.0, "of_memcpy": None, "of_read": None}
+    assert avx2 == {"of_best": 2.0, "of_exact": 2.0, "of_fma": 2.0, "of_memcpy": None, "of_read": None}
     nothing = kernel_fractions(result, {"fma512 f32": None}, memcpy=6.0, read=None)
-    assert nothing == {"of_best": None, "of_fma": None, "of_memcpy": 1.5, "of_read": None}
+    assert nothing == {"of_best": None, "of_exact": None, "of_fma": None, "of_memcpy": 1.5, "of_read": None}
 
 
 def test_the_benchmark_has_a_help():
