@@ -36,6 +36,8 @@ class FusedOps(Protocol):
     """The ops the model swaps in for its torch code, for tensors of `dtype` on one device."""
 
     dtype: torch.dtype
+    # Whether the ops have `rope_write_kv_` (RoPE and the KV-cache write in one launch: the Triton ops).
+    fuses_kv_write: bool
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -54,6 +56,8 @@ class FusedOps(Protocol):
 
 class CFusedOps:
     """The C ops (`FusedOps`). Each op takes CPU tensors of `dtype` whose last dimension is contiguous (cos/sin: float32)."""
+
+    fuses_kv_write = False  # on CPU the layer stack (`layer_stack.c`) runs RoPE and the write in one call anyway
 
     def __init__(self, lib: ctypes.CDLL, dtype: torch.dtype) -> None:
         self.dtype = dtype

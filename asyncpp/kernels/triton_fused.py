@@ -60,6 +60,8 @@ def check_dtypes(dtype: torch.dtype, tensors: tuple[torch.Tensor, ...]) -> None:
 class TritonFusedOps:
     """Each op takes tensors of `dtype` on one device whose last dimension is contiguous (cos/sin: float32)."""
 
+    fuses_kv_write = True
+
     def __init__(self, dtype: torch.dtype) -> None:
         if dtype not in DTYPES:
             raise TypeError(f"Triton fused ops take {DTYPES}, not {dtype}")
@@ -101,6 +103,32 @@ class TritonFusedOps:
 
     def rope_(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` `[num_tokens, num_heads, head_dim]` in place; cos/sin `[max_position, head_dim]` float32."""
+        return self._rope_(x, positions, cos, sin, None)
+
+    def rope_write_kv_(
+        self, qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, v: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """`rope_` of `qk` `[num_tokens, num_q_heads + num_kv_heads, head_dim]` (the k heads last), and in the
+        same launch each token's rotated k heads and its `v` `[num_tokens, num_kv_heads, head_dim]` written
+        to row `slot_mapping[t]` of the caches `[num_slots, num_kv_heads, head_dim]` (contiguous): what
+        `rope_` then two `index_copy_` give, one launch instead of three."""
+        self._check(qk, v, k_cache, v_cache)
+        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
+            raise ValueError(f"rope_write_kv_: caches must be contiguous and alike, got {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+        if v.shape != (qk.shape[0], num_kv_heads, head_dim) or v.stride(2) != 1 or v.stride(1) != head_dim:
+            raise ValueError(f"rope_write_kv_: v {tuple(v.shape)} / {v.stride()} does not match the cache")
+        if qk.shape[1] < num_kv_heads or qk.shape[2] != head_dim:
+            raise ValueError(f"rope_write_kv_: qk {tuple(qk.shape)} does not end with the cache's {num_kv_heads} heads")
+        if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (qk.shape[0],):
+            raise ValueError(f"rope_write_kv_: slot_mapping must be int64 [{qk.shape[0]}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+        return self._rope_(qk, positions, cos, sin, (v, k_cache, v_cache, slot_mapping.contiguous()))
+
+    def _rope_(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:  # fmt: skip
         self._check(x)
         num_tokens, num_heads, head_dim = x.shape
         if x.stride(2) != 1 or x.stride(1) != head_dim or head_dim % 2:
@@ -111,9 +139,13 @@ class TritonFusedOps:
         if num_tokens and num_heads:
             half = head_dim // 2
             block = pow2(num_heads) * pow2(half)
+            v, k_cache, v_cache, slots = kv if kv is not None else (x, x, x, positions)  # unused without WRITE_KV
+            num_kv_heads = k_cache.shape[1] if kv is not None else 1
             self._rope[(num_tokens,)](
                 x, x.stride(0), positions, cos, sin, num_heads, half,
-                HEADS_P=pow2(num_heads), HALF_P=pow2(half), num_warps=_num_warps(block), enable_fp_fusion=False,
+                v, v.stride(0), k_cache, v_cache, slots, num_heads - num_kv_heads, num_kv_heads,
+                HEADS_P=pow2(num_heads), HALF_P=pow2(half), WRITE_KV=kv is not None, KV_HEADS_P=pow2(num_kv_heads),
+                num_warps=_num_warps(block), enable_fp_fusion=False,
             )  # fmt: skip
         return x
 
@@ -203,7 +235,8 @@ def _build_kernels():
     @triton.jit
     def rope(
         x_ptr, x_stride, pos_ptr, cos_ptr, sin_ptr, num_heads, half,
-        HEADS_P: tl.constexpr, HALF_P: tl.constexpr,
+        v_ptr, v_stride, k_cache_ptr, v_cache_ptr, slot_ptr, num_q_heads, num_kv_heads,
+        HEADS_P: tl.constexpr, HALF_P: tl.constexpr, WRITE_KV: tl.constexpr, KV_HEADS_P: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, HEADS_P)
@@ -225,6 +258,20 @@ def _build_kernels():
         new_hi = _rounded(_rounded(hi * c1, dtype) + _rounded(lo * s1, dtype), dtype)
         tl.store(lo_ptrs, new_lo.to(dtype), mask=ok)
         tl.store(lo_ptrs + half, new_hi.to(dtype), mask=ok)
+        if WRITE_KV:  # heads past the q heads are k: the rotated values go to the cache slot too, and so does v
+            slot = tl.load(slot_ptr + row)
+            kv_row = slot * num_kv_heads * (2 * half)
+            k_ok = ok & (heads >= num_q_heads)[:, None]
+            k_ptrs = k_cache_ptr + kv_row + (heads - num_q_heads)[:, None] * (2 * half) + cols[None, :]
+            tl.store(k_ptrs, new_lo.to(dtype), mask=k_ok)
+            tl.store(k_ptrs + half, new_hi.to(dtype), mask=k_ok)
+            kv_heads = tl.arange(0, KV_HEADS_P)
+            v_ok = (kv_heads < num_kv_heads)[:, None] & col_ok[None, :]
+            v_offs = kv_heads[:, None] * (2 * half) + cols[None, :]
+            v_lo = tl.load(v_ptr + row * v_stride + v_offs, mask=v_ok, other=0.0)
+            v_hi = tl.load(v_ptr + row * v_stride + v_offs + half, mask=v_ok, other=0.0)
+            tl.store(v_cache_ptr + kv_row + v_offs, v_lo, mask=v_ok)
+            tl.store(v_cache_ptr + kv_row + v_offs + half, v_hi, mask=v_ok)
 
     _KERNELS = (add_rms_norm, silu_mul, rope)
     return _KERNELS

@@ -195,10 +195,12 @@ def paged_attention(
     v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     meta: AttentionMetadata,
     scale: float,
+    kv_written: bool = False,  # k and v are in the cache already (the fused RoPE + KV write did it)
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     # Write first, then read: a request's new tokens attend to themselves through the cache.
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    if not kv_written:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     k_blocks = k_cache.view(-1, meta.block_size, num_kv_heads, head_dim)

@@ -81,6 +81,16 @@ class StepRope:
             return self.fused.rope_(x, self.positions, cos, sin)
         return x * cos + _rotate_half(x) * sin
 
+    def apply_writing_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor
+    ) -> tuple[torch.Tensor, bool]:
+        """`apply(qk)` (q heads, then the k heads); where the fused ops can (`fuses_kv_write`), the rotated k
+        and `v` are also written to their cache slots in the same launch. Returns (rotated qk, written)."""
+        if self.fused is None or not self.fused.fuses_kv_write:
+            return self.apply(qk), False
+        cos, sin = self.cos_sin
+        return self.fused.rope_write_kv_(qk, self.positions, cos, sin, v, kv_cache[0], kv_cache[1], slot_mapping), True
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -106,10 +116,10 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent in the projection: rotate them in one pass.
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = rope.apply(qk)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        qk, kv_written = rope.apply_writing_kv(qk, v, kv_cache, meta.slot_mapping)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_written=kv_written)
         return self.o_proj(out)
 
 

@@ -13,12 +13,14 @@ sum of squares, rsqrt or exp rounds differently is the limit.
 from __future__ import annotations
 
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from asyncpp.kernels.triton_fused import triton_fused_ops
 from asyncpp.model.arch import ModelArch
-from asyncpp.model.llama import MLP, RMSNorm, RotaryEmbedding, _rotate_half
+from asyncpp.model.attention import AttentionMetadata
+from asyncpp.model.llama import MLP, Attention, RMSNorm, RotaryEmbedding, _rotate_half
 from tests.kernels.interpreted import main
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -192,6 +194,93 @@ def check_rope(device: str) -> None:
             assert (err <= bound * (x_cos.abs() + rot_sin.abs()) + 3 * TINY[dtype]).all(), dtype
 
 
+def check_rope_write_kv(device: str) -> None:
+    """RoPE and the KV-cache write in one launch, as `Attention.forward` calls it: q/k rotated exactly as
+    `rope_` (the unfused code's bits), and the caches equal to `index_copy_` of the rotated k and of v into
+    their slots, nothing else in them touched; the other heads and rows of the qkv buffer untouched."""
+    rope = RotaryEmbedding(HEAD_DIM, MAX_POSITION, 100000.0).to(device)
+    num_slots = 40
+    for dtype in DTYPES:
+        ops = _ops(device, dtype)
+        for num_tokens in NUM_TOKENS:
+            qkv, qk, positions = _rope_case(device, dtype, num_tokens, seed=num_tokens + 100)
+            g = _gen(num_tokens)
+            qkv[:, (HEADS + KV_HEADS) * HEAD_DIM : (HEADS + 2 * KV_HEADS) * HEAD_DIM] = torch.randn(
+                qkv.shape[0], KV_HEADS * HEAD_DIM, generator=g
+            ).to(device, dtype)
+            v = qkv[2 : 2 + num_tokens, (HEADS + KV_HEADS) * HEAD_DIM : (HEADS + 2 * KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+            k_cache, v_cache = (torch.randn(num_slots, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype) for _ in range(2))
+            slots = torch.randperm(num_slots, generator=g)[:num_tokens].to(device)
+            before = qkv.clone()
+            ref_qk = rope.for_step(positions, dtype, None).apply(qk.clone())
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            ref_k.index_copy_(0, slots, ref_qk[:, HEADS:])
+            ref_v.index_copy_(0, slots, v)
+            step = rope.for_step(positions, dtype, ops)
+            out, written = step.apply_writing_kv(qk, v, (k_cache, v_cache), slots)
+            assert written and out.data_ptr() == qk.data_ptr()
+            assert torch.equal(out, ref_qk), (dtype, num_tokens)
+            assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), (dtype, num_tokens)
+            mine = torch.zeros_like(qkv, dtype=torch.bool)
+            mine[2 : 2 + num_tokens, : (HEADS + KV_HEADS) * HEAD_DIM] = True
+            bits = {F32: torch.int32}.get(dtype, torch.int16)
+            assert torch.equal(qkv.view(bits)[~mine], before.view(bits)[~mine]), "wrote outside its rows/heads"
+    # Misshapen caches and slots are refused, not written past.
+    ops = _ops(device, F32)
+    qk = torch.randn(2, HEADS + KV_HEADS, HEAD_DIM, device=device)
+    v = torch.randn(2, KV_HEADS, HEAD_DIM, device=device)
+    cache = torch.zeros(8, KV_HEADS, HEAD_DIM, device=device)
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    for bad in (
+        lambda: ops.rope_write_kv_(qk, pos, rope.cos, rope.sin, v, cache[:, :, :32], cache[:, :, :32], pos),
+        lambda: ops.rope_write_kv_(qk, pos, rope.cos, rope.sin, v[:1], cache, cache, pos),
+        lambda: ops.rope_write_kv_(qk, pos, rope.cos, rope.sin, v, cache, cache, pos.to(torch.int32)),
+    ):
+        try:
+            bad()
+        except ValueError:
+            continue
+        raise AssertionError("a misshapen cache, v or slot mapping must be a ValueError")
+
+
+class _WithoutKvWrite:
+    """The same ops, declaring no fused KV write: `Attention` then writes the cache itself."""
+
+    fuses_kv_write = False
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def __getattr__(self, name: str):
+        return getattr(self.ops, name)
+
+
+def check_attention_with_the_fused_kv_write(device: str) -> None:
+    """`Attention.forward` with RoPE and the cache write fused gives the bits of the same ops with the
+    write left to `paged_attention`: its output and both caches, over prefill and decode steps."""
+    arch = _arch()
+    block_size, num_blocks = 16, 8
+    for dtype in (F32, BF16):
+        ops = _ops(device, dtype)
+        torch.manual_seed(5)
+        attn = Attention(arch).to(device, dtype)
+        rope = RotaryEmbedding(HEAD_DIM, MAX_POSITION, 100000.0).to(device)
+        x = torch.randn(24, HIDDEN, generator=_gen(6)).to(device, dtype)
+        results = []
+        for fused in (ops, _WithoutKvWrite(ops)):
+            caches = tuple(torch.zeros(num_blocks * block_size, KV_HEADS, HEAD_DIM, device=device, dtype=dtype) for _ in range(2))
+            table = np.array([[3, 1], [6, 0]])
+            outs = []
+            # two prompts of 9 and 13 tokens in one step, then one decode token each
+            for starts, lens, rows in (([0, 0], [9, 13], slice(0, 22)), ([9, 13], [1, 1], slice(22, 24))):
+                meta, positions = AttentionMetadata.build(np.array(starts), np.array(lens), table, block_size, device, dtype)
+                step = rope.for_step(torch.as_tensor(positions, device=device), dtype, fused)
+                outs.append(attn(x[rows], step, caches, meta))
+            results.append((torch.cat(outs), *caches))
+        for got, want in zip(*results):
+            assert torch.equal(got, want), dtype
+
+
 def check_batch_invariant(device: str) -> None:
     """A row's bits are the same alone, in a prefix, or among 17 rows."""
     for dtype in (F32, BF16):
@@ -255,6 +344,8 @@ CHECKS = [
     check_silu_mul,
     check_silu_over_the_whole_range,
     check_rope,
+    check_rope_write_kv,
+    check_attention_with_the_fused_kv_write,
     check_batch_invariant,
     check_odd_sizes_and_zero_rows,
     check_wrong_dtypes_are_type_errors,
