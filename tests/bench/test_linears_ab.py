@@ -15,8 +15,15 @@ def test_two_versions_are_timed_against_the_first(capsys, monkeypatch):
     root = Path(__file__).resolve().parents[2]
     # Two of the model's 121 linears keep the test short; the bench runs them all.
     monkeypatch.setattr(linears_ab, "_linears", lambda: linears_ab.__dict__["_all_linears"]()[:2])
+    built = []
+    load = linears_ab.load_version
+    monkeypatch.setattr(linears_ab, "load_version", lambda *a: built.append(load(*a)) or built[-1])
     assert linears_ab.main([str(root), str(root), "--rows", "17", "--repeats", "2", "--fma"]) == 0
+    assert len(built) == 1  # one tree named twice is built once
+    assert built[0].kernel.fma_min_rows() == (1, 1)  # --fma: the FMA path from one row on
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
     assert len(lines) == 2
     assert lines[0].endswith("median time 1.000x the first's")
     assert all(" GMAC/s" in line and str(root) in line for line in lines)
+    best = [float(line.split(" best ")[1].split()[0]) for line in lines]
+    assert all(1.0 < b < 1000.0 for b in best)  # multiply-accumulates per second, not a ratio of them
