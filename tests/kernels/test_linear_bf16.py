@@ -146,10 +146,10 @@ def test_gguf_block_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, 
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_gguf_rows_past_one_pass_of_the_expanded_tiles_keep_their_bits(kernel, threads, fmt):
-    """Many rows run in passes of 128 rows over 4 input blocks at a time: 300 rows cross both
-    boundaries (1536 inputs: 12 passes; 96: one short one), and a row keeps the bits it gets in a
-    batch of 17 or 1."""
+def test_gguf_many_rows_in_one_call_keep_their_bits(kernel, threads, fmt):
+    """300 rows in one call (50 expanded tiles, each over the BLOCK's panels two at a time), with a long
+    k (1536 inputs, 48 scale steps per output) and a short one (96): a row keeps the bits it gets in a
+    batch of 1, 17, 129 or 200."""
     for out_features, in_features in [(70, 1536), (100, 96)]:
         raw, _ = _gguf_case(fmt, out_features, in_features, seed=in_features)
         packed = kernel.pack_blocks(fmt, raw, out_features, in_features)
