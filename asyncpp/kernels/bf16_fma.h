@@ -124,14 +124,15 @@ static void fe_widen_rows(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
     }
 }
 
-/* part[i][j] += xf[i][t] * w[j][t] for inputs t in [t0, t1): the vdpbf16ps sums, one FMA at a time. */
-#define FE_STEPS(t0, t1)                                                                               \
+/* part[i][j] += xf[i][t] * w[j0 + j][t] for inputs t in [t0, t1) and panels j in [0, np): the vdpbf16ps
+ * sums, one FMA at a time. */
+#define FE_STEPS(t0, t1, j0, np)                                                                       \
     for (int64_t t = (t0); t < (t1); t++) {                                                           \
         __m512 w[NB];                                                                                 \
-        for (int j = 0; j < NB; j++) w[j] = _mm512_load_ps(e->w + (j * k_pad + t) * PANEL);           \
+        for (int j = 0; j < (np); j++) w[j] = _mm512_load_ps(e->w + (((j0) + j) * k_pad + t) * PANEL); \
         for (int i = 0; i < mt; i++) {                                                                \
             const __m512 a = _mm512_set1_ps(xf[i * k_pad + t]);                                       \
-            for (int j = 0; j < NB; j++) part[i][j] = _mm512_fmadd_ps(a, w[j], part[i][j]);           \
+            for (int j = 0; j < (np); j++) part[i][j] = _mm512_fmadd_ps(a, w[j], part[i][j]);         \
         }                                                                                             \
     }
 
@@ -141,47 +142,41 @@ static inline void fe_prefetch(const char *p, int64_t bytes) {
 }
 
 /* Rows [0, mt) of xf times the expanded BLOCK e, 32 inputs at a time. kind 0: float weights, one sum
- * over all of k_pad; 1, 2: GGUF blocks, per 32 inputs `part`, then acc += d * part (2: + m * sx), acc in
- * an L1 array. `next` (NULL: none): the packed weights of the thread's next BLOCK, `ahead` bytes of them
- * per 32 inputs requested into L2 meanwhile, so that its expansion does not wait on memory. */
+ * over all of k_pad, 4 panels at once; 1, 2: GGUF blocks, 2 panels at a time, per 32 inputs `part`, then
+ * acc += d * part (2: + m * sx), both in registers. `next` (NULL: none): the packed weights of the
+ * thread's next BLOCK, `ahead` bytes of them per 32 inputs requested into L2 meanwhile, so that its
+ * expansion does not wait on memory. */
 static inline __attribute__((always_inline)) void fe_tile(const int kind, const int mt, const float *xf,
                                                           int64_t k_pad, const float *sx,
                                                           const struct fe_expanded *e, const char *next,
                                                           int64_t ahead, out_rows y, int64_t n0, int64_t n) {
     __m512 part[FE_TILE_ROWS][NB];
-    for (int i = 0; i < mt; i++)
-        for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
     const int64_t groups = (k_pad + QK - 1) / QK;
     if (kind == 0) {
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < NB; j++) part[i][j] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             if (next != NULL) fe_prefetch(next + g * ahead, ahead);
-            FE_STEPS(g * QK, g * QK + QK < k_pad ? g * QK + QK : k_pad)
+            FE_STEPS(g * QK, g * QK + QK < k_pad ? g * QK + QK : k_pad, 0, NB)
         }
         for (int i = 0; i < mt; i++)
             for (int j = 0; j < NB && n0 + j * PANEL < n; j++) store_panel(out_at(y, i), n0 + j * PANEL, n, part[i][j]);
         return;
     }
     for (int j0 = 0; j0 < NB; j0 += QE_PANELS) { /* as qe_tile: 12 partial sums and 12 sums in registers */
-        __m512 acc[FE_TILE_ROWS][QE_PANELS], bpart[FE_TILE_ROWS][QE_PANELS];
+        __m512 acc[FE_TILE_ROWS][QE_PANELS];
         for (int i = 0; i < mt; i++)
             for (int j = 0; j < QE_PANELS; j++) acc[i][j] = _mm512_setzero_ps();
         for (int64_t b = 0; b < groups; b++) {
             if (next != NULL && j0 == 0) fe_prefetch(next + b * ahead, ahead);
             for (int i = 0; i < mt; i++)
-                for (int j = 0; j < QE_PANELS; j++) bpart[i][j] = _mm512_setzero_ps();
-            for (int64_t t = b * QK; t < (b + 1) * QK; t++) {
-                __m512 w[QE_PANELS];
-                for (int j = 0; j < QE_PANELS; j++) w[j] = _mm512_load_ps(e->w + ((j0 + j) * k_pad + t) * PANEL);
-                for (int i = 0; i < mt; i++) {
-                    const __m512 a = _mm512_set1_ps(xf[i * k_pad + t]);
-                    for (int j = 0; j < QE_PANELS; j++) bpart[i][j] = _mm512_fmadd_ps(a, w[j], bpart[i][j]);
-                }
-            }
+                for (int j = 0; j < QE_PANELS; j++) part[i][j] = _mm512_setzero_ps();
+            FE_STEPS(b * QK, (b + 1) * QK, j0, QE_PANELS)
             for (int j = 0; j < QE_PANELS; j++) {
                 const __m512 d = _mm512_load_ps(e->d + (b * NB + j0 + j) * PANEL);
                 const __m512 m = kind == 2 ? _mm512_load_ps(e->m + (b * NB + j0 + j) * PANEL) : _mm512_setzero_ps();
                 for (int i = 0; i < mt; i++)
-                    acc[i][j] = qb_block_step(kind == 2, acc[i][j], bpart[i][j], d, m, kind == 2 ? sx[i * groups + b] : 0.0f);
+                    acc[i][j] = qb_block_step(kind == 2, acc[i][j], part[i][j], d, m, kind == 2 ? sx[i * groups + b] : 0.0f);
             }
         }
         for (int i = 0; i < mt; i++)
