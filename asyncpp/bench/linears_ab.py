@@ -14,30 +14,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from asyncpp.bench.linears import _linears as _all_linears
-from asyncpp.bench.linears import _stack
-from asyncpp.kernels.build import find_compiler
-from asyncpp.kernels.isa import compile_flags
+from asyncpp.bench.linears import _linears, _stack
+from asyncpp.kernels.build import compile_source
 from asyncpp.kernels.linear_bf16 import Bf16Linear, Bf16NativeKernel
 
 
-def _linears() -> list:
-    """The model's linears as `bench.linears` groups them (a test takes fewer)."""
-    return _all_linears()
-
-
 def load_version(tree: Path, out_dir: Path, index: int, fma: bool) -> Bf16NativeKernel:
-    """The kernel of checkout `tree`, built into `out_dir`."""
+    """The kernel of checkout `tree` (its source and headers), built into `out_dir` as the package builds its own."""
+    kernels = tree / "asyncpp" / "kernels"
     so = out_dir / f"linear_bf16_{index}.so"
-    flags = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", *compile_flags("avx512_bf16")]
-    subprocess.run([find_compiler() or "cc", *flags, str(tree / "asyncpp/kernels/linear_bf16.c"), "-o", str(so)], check=True)
+    headers = {h.name: h.read_bytes() for h in kernels.glob("*.h")}
+    compile_source((kernels / "linear_bf16.c").read_bytes(), "avx512_bf16", so, headers)
     kernel = Bf16Linear(ctypes.CDLL(str(so)))
     kernel.set_fma_min_rows(*((1, 1) if fma else (None, None)))
     return Bf16NativeKernel(kernel)

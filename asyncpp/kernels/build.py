@@ -72,13 +72,14 @@ def find_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def compile_source(source: bytes, isa: str, target: Path) -> None:
+def compile_source(source: bytes, isa: str, target: Path, headers: dict[str, bytes] | None = None) -> None:
     """Build a kernel's C `source` (another version of one, for a benchmark) for level `isa` into `target`,
-    as `load_kernel_library` builds the package's: the same flags, the package's headers beside it."""
+    as `load_kernel_library` builds the package's: the same flags, `headers` (name -> text; default the
+    package's) beside it."""
     compiler = find_compiler()
     if compiler is None:
         raise OSError("no C compiler (cc/gcc) on PATH")
-    _compile(compiler, _BASE_FLAGS + compile_flags(isa), source, _headers(), target)
+    _compile(compiler, _BASE_FLAGS + compile_flags(isa), source, _headers() if headers is None else headers, target)
 
 
 def _headers() -> dict[str, bytes]:
