@@ -16,8 +16,10 @@ client one `RequestDeltas` frame per step with all of its deltas. A client
 that is gone (`PeerGoneError`) has its requests aborted. One client's message
 never ends the loop serving all, and never holds it up: a request the sink
 takes slowly (a huge prompt tokenized off the loop) is taken in a task of its
-own while the port goes on reading (an abort meanwhile cancels it), so health
-answers stay prompt under any load. Messages in `engine_only` (KV handshakes,
+own while the port goes on reading (an abort meanwhile cancels it, unless its
+`kv_transfer_params` name another engine's blocks: it is then taken and aborted
+at once, so that the engine's connector tells that engine nobody pulls them),
+so health answers stay prompt under any load. Messages in `engine_only` (KV handshakes,
 remote engines) are answered only to peers in the engine role
 (`wire.client_auth`); any other peer gets a "forbidden" error, never the
 handshake and its signing key.
@@ -96,6 +98,8 @@ class ClientPort:
         # Keyed by engine request id (`request_ids`): what the sink and the engine know requests by.
         self.peer_of: dict[str, bytes] = {}  # unfinished request -> its client
         self.taking: dict[str, tuple[bytes, asyncio.Task]] = {}  # requests taken in a task of their own
+        self.names_remote_kv: set[str] = set()  # of those, the ones with kv_transfer_params
+        self.abort_once_taken: set[str] = set()  # of those, the ones their client aborted (`_stop_taking`)
         self.ids = RequestIds()  # (client, its id) <-> engine id, for every request taken or being taken
         self.log = get_logger(role="engine", pp_rank=None)
 
@@ -158,6 +162,8 @@ class ClientPort:
         if self.sink.is_slow(msg):
             task = asyncio.create_task(self._take(peer, client_id, msg))
             self.taking[engine_id] = (peer, task)
+            if msg.kv_transfer_params is not None:
+                self.names_remote_kv.add(engine_id)
             task.add_done_callback(lambda done: self._taken(engine_id, done))
         else:
             await self._take(peer, client_id, msg)
@@ -165,6 +171,19 @@ class ClientPort:
     def _taken(self, engine_id: str, task: asyncio.Task) -> None:
         if self.taking.get(engine_id, (None, None))[1] is task:
             del self.taking[engine_id]
+            self.names_remote_kv.discard(engine_id)
+            self.abort_once_taken.discard(engine_id)
+
+    def _stop_taking(self, engine_id: str) -> None:
+        """The client aborted a request not taken yet (or is gone). Cancelled, it never reaches the engine;
+        but one whose params name another engine's blocks (a disaggregated decode) would leave them held
+        there until that engine's pull timeout: it is taken all the same and aborted at once (`_take`), so
+        that the connector releases them, as for a request aborted once taken."""
+        if engine_id in self.names_remote_kv:
+            self.abort_once_taken.add(engine_id)
+            return
+        self.taking.pop(engine_id)[1].cancel()  # never taken (the task frees its engine id)
+        self.ids.detach(engine_id)  # the client may use its id again at once
 
     async def _take(self, peer: bytes, client_id: str, msg: GenerateRequest) -> None:
         """`msg` under its engine id: into the sink, or its client hears why not."""
@@ -174,7 +193,9 @@ class ClientPort:
                 await self.sink.add_request(msg)
             except BaseException as e:
                 self.ids.release(engine_id)  # never taken (refused, failed, or cancelled by an abort)
-                if isinstance(e, RequestRefused):
+                if engine_id in self.abort_once_taken and isinstance(e, Exception):
+                    self.log.info("request_not_taken", request_id=engine_id, error=str(e))  # its client is gone
+                elif isinstance(e, RequestRefused):
                     self.log.info("request_rejected", request_id=engine_id, error=str(e), kind=e.kind)
                     await self._reply(peer, ErrorReply(client_id, str(e), e.kind, e.field))
                 elif isinstance(e, Exception):  # a request taken in its own task: nobody else reports it
@@ -184,6 +205,10 @@ class ClientPort:
                     raise
                 return
         self.peer_of[engine_id] = peer
+        if engine_id in self.abort_once_taken:  # aborted while being taken (`_stop_taking`)
+            self._end(engine_id)
+            with _client_context(engine_id, client_id):
+                self.sink.abort(engine_id)
 
     def _abort(self, peer: bytes, client_id: str) -> None:
         """The client's abort: only of its own live request."""
@@ -195,8 +220,7 @@ class ClientPort:
             with _client_context(engine_id, client_id):
                 self.sink.abort(engine_id)
         elif engine_id in self.taking:
-            self.taking.pop(engine_id)[1].cancel()  # not taken yet: never will be (the task frees its engine id)
-            self.ids.detach(engine_id)  # the client may use its id again at once
+            self._stop_taking(engine_id)
 
     def _end(self, engine_id: str) -> None:
         """The request is over for its client."""
@@ -211,9 +235,9 @@ class ClientPort:
 
     def drop_peer(self, peer: bytes) -> None:
         """The client is gone: abort its requests."""
-        for p, task in list(self.taking.values()):
+        for engine_id, (p, _) in list(self.taking.items()):
             if p == peer:
-                task.cancel()
+                self._stop_taking(engine_id)
         gone = [engine_id for engine_id, p in self.peer_of.items() if p == peer]
         for engine_id in gone:
             client_id = self.ids.client_id(engine_id)

@@ -153,6 +153,79 @@ async def test_a_client_gone_cancels_what_is_being_taken_for_it(port):
     assert sink.taken == [] and port.taking == {}
 
 
+REMOTE_KV = {"remote_engine_id": "prefill", "remote_request_id": "a"}  # a disaggregated decode's params
+
+
+async def test_an_abort_while_a_request_naming_remote_kv_is_taken_takes_it_then_aborts_it(port):
+    """Cancelled, it would never reach the engine, whose connector alone tells the prefill engine that
+    nobody pulls its blocks (held until its pull timeout otherwise): it is taken, then aborted."""
+    port, sink = port
+    client = DealerQueue(port.router.address)
+    try:
+        await client.put(GenerateRequest("a", "slow", {}, REMOTE_KV))
+        await client.put(AbortRequest("a"))
+        await client.put(HealthRequest(1))
+        assert await reply(client) == HealthReply(1, True)
+        assert list(port.taking) == ["a"] and sink.taken == [] and sink.aborted == []
+        await client.put(GenerateRequest("a", "slow"))  # its id is in use until it is aborted
+        assert await reply(client) == ErrorReply("a", "duplicate request id 'a'", "invalid_request", "request_id")
+        sink.release.set()
+        await asyncio.sleep(0.05)
+        assert sink.taken == ["a"] and sink.aborted == ["a"]
+        assert port.peer_of == {} and port.taking == {} and port.names_remote_kv == port.abort_once_taken == set()
+        await client.put(GenerateRequest("a", "fast"))  # over: the id is free again, and nothing came for it
+        await client.put(HealthRequest(2))
+        assert await reply(client) == HealthReply(2, True)
+        assert sink.taken == ["a", "a"] and list(port.peer_of) == ["a"]
+    finally:
+        client.close()
+
+
+async def test_a_client_gone_while_a_request_naming_remote_kv_is_taken_has_it_taken_then_aborted(port):
+    port, sink = port
+    client = DealerQueue(port.router.address)
+    try:
+        await client.put(GenerateRequest("a", "slow", {}, REMOTE_KV))
+        await client.put(GenerateRequest("b", "slow"))
+        await client.put(HealthRequest(1))
+        assert await reply(client) == HealthReply(1, True)
+        peer = port.taking["a"][0]
+    finally:
+        client.close()
+    port.drop_peer(peer)
+    sink.release.set()
+    await asyncio.sleep(0.05)
+    assert sink.taken == ["a"] and sink.aborted == ["a"] and port.taking == {} and port.peer_of == {}
+
+
+async def test_a_request_naming_remote_kv_refused_after_its_abort_sends_nothing():
+    router = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
+
+    class Refusing(SlowSink):
+        async def add_request(self, msg):
+            await self.release.wait()
+            raise RequestRefused("too long", field="prompt")
+
+    sink = Refusing()
+    port = ClientPort(router, sink, {HealthRequest: lambda msg: _done(HealthReply(msg.nonce, True))})
+    task = asyncio.create_task(port.serve())
+    client = DealerQueue(router.address)
+    try:
+        await client.put(GenerateRequest("a", "slow", {}, REMOTE_KV))
+        await client.put(AbortRequest("a"))
+        await client.put(HealthRequest(1))
+        assert await reply(client) == HealthReply(1, True)
+        sink.release.set()
+        await asyncio.sleep(0.05)
+        await client.put(HealthRequest(2))
+        assert await reply(client) == HealthReply(2, True)  # no ErrorReply for "a" came first
+        assert sink.aborted == [] and port.peer_of == {} and port.taking == {}
+    finally:
+        client.close()
+        task.cancel()
+        router.close()
+
+
 async def test_a_slow_refusal_reaches_its_client():
     router = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
 
