@@ -46,6 +46,9 @@
  * row's result never depends on the rest of the batch or on the number of
  * threads.
  *
+ * At the avx512_bf16 level, bfloat16 caches with head_dim a multiple of 32 take vdpbf16ps instead, for
+ * every row: `attention_dpbf16.h` (its own arithmetic and bits, with the same invariances).
+ *
  * Layouts (element strides, innermost dimension contiguous):
  *   q, out        [num_tokens, num_heads, head_dim], token stride given
  *   k/v cache     [num_slots, num_kv_heads, head_dim], contiguous
@@ -688,6 +691,14 @@ static void attend_group_any(const struct layer *L, const struct row *r, int nr,
 }
 #endif
 
+#ifdef __AVX512BF16__
+#include "attention_dpbf16.h" /* bfloat16 caches at the avx512_bf16 level: vdpbf16ps (see there) */
+#define HAS_DPBF16 1
+#else
+#define HAS_DPBF16 0
+#define DP_ROWS 1
+#endif
+
 /* Whether rows i and j read the same blocks (rows of one request): equal block table entries up to the
  * longer one's context. */
 static int same_blocks(const struct batch *B, int64_t i, int64_t j, int64_t block_size) {
@@ -738,16 +749,20 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
     const struct batch B = {q, out, q_token_stride, out_token_stride, elem, rows, block_table, context_lens,
                             block_table_stride};
     int status = 0;
+    const int dpbf16 = HAS_DPBF16 && dtype == DTYPE_BF16 && chunks % 2 == 0;
 #ifdef EIGHT_LANES
     enum { GROUP = 1 }; /* AVX2: rows one by one */
+    const int group_rows = 1;
+    (void)dpbf16;
 #else
-    enum { GROUP = GROUP_ROWS };
+    enum { GROUP = DP_ROWS > GROUP_ROWS ? DP_ROWS : GROUP_ROWS };
+    const int group_rows = dpbf16 ? DP_ROWS : GROUP_ROWS; /* the most rows of a request taken together */
 #endif
 #pragma omp parallel num_threads(num_threads)
     {
         struct scratch S[GROUP];
         int ok = 1;
-        for (int i = 0; i < GROUP; i++) {
+        for (int i = 0; i < group_rows; i++) {
             S[i] = scratch_alloc(num_heads, chunks, max_context_len > 0 ? max_context_len : 1);
             ok &= S[i].scores != NULL;
         }
@@ -762,13 +777,20 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
             prefetch_keys(&L, &r, 0, (r.ctx + LANES - 1) / LANES);
         }
         for (int64_t i = first; i < end && ok;) {
-            /* The rows of one request that follow each other in this thread's range, up to GROUP. */
+            /* The rows of one request that follow each other in this thread's range, up to group_rows. */
             int nr = 1;
-            while (nr < GROUP && i + nr < end && same_blocks(&B, i, i + nr, block_size)) nr++;
+            while (nr < group_rows && i + nr < end && same_blocks(&B, i, i + nr, block_size)) nr++;
             struct row r[GROUP];
             for (int k = 0; k < nr; k++) r[k] = row_at(&B, i + k);
             const struct row next = row_at(&B, i + nr < end ? i + nr : i);
             const struct row *nx = i + nr < end ? &next : NULL;
+#if HAS_DPBF16
+            if (dpbf16) { /* every row, one or several of a request: the same arithmetic */
+                dp_attend_any(&L, r, nr, nx, S, (int)group, (int)chunks);
+                i += nr;
+                continue;
+            }
+#endif
 #ifndef EIGHT_LANES
             if (nr > 1) {
                 attend_group_any(&L, r, nr, nx, S, (int)group, (int)chunks);
@@ -779,7 +801,7 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
             attend_row_any(&L, &r[0], nx, &S[0], (int)group, (int)chunks);
             i += 1;
         }
-        for (int i = 0; i < GROUP; i++) free(S[i].scores);
+        for (int i = 0; i < group_rows; i++) free(S[i].scores);
     }
     return status;
 }

@@ -241,10 +241,11 @@ def _request_rows(num_heads, num_kv_heads, head_dim, dtype, spans, seed=5):
 @pytest.mark.parametrize("isa", LEVELS)
 def test_rows_of_one_request_together_give_each_row_its_bits_alone(num_heads, num_kv_heads, head_dim, dtype, isa):
     """A request's rows (a token and its drafts, a prefill chunk) share their keys: the kernel computes up to 4
-    of them together (each key widened once). Every row must get the bits it gets alone, whatever the group
-    (1 to 4 rows, lengths ending inside, at and past a 16-key tile), its neighbours and the thread count."""
+    of them together (16 with vdpbf16ps: each tile's keys transposed once). Every row must get the bits it
+    gets alone (signed zeros included), whatever the group (1 to 16 rows and more, lengths ending inside, at
+    and past a 16-key tile, odd and even), its neighbours and the thread count."""
     fn = _kernel_or_skip(dtype, num_heads, num_kv_heads, head_dim, isa)
-    spans = [range(14, 20), range(1, 4), range(31, 36), [64], range(95, 104), range(200, 203)]
+    spans = [range(14, 20), range(1, 4), range(31, 36), [64], range(95, 104), range(200, 203), range(300, 321)]
     q, k_cache, v_cache, block_table, context_lens = _request_rows(num_heads, num_kv_heads, head_dim, dtype, spans)
     threads = torch.get_num_threads()
     try:
@@ -256,9 +257,34 @@ def test_rows_of_one_request_together_give_each_row_its_bits_alone(num_heads, nu
             for start in (0, 1, 2):  # groups cut at other rows
                 together, _ = _run(fn, q[start:], k_cache, v_cache, block_table[start:], context_lens[start:])
                 for i in range(start, q.shape[0]):
-                    assert torch.equal(alone[i], together[i - start]), f"row {i} ({num_threads} threads, from {start})"
+                    assert torch.equal(_bits(alone[i]), _bits(together[i - start])), f"row {i} ({num_threads} threads, from {start})"
     finally:
         torch.set_num_threads(threads)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+
+
+@pytest.mark.parametrize("isa", LEVELS)
+def test_a_rows_odd_last_position_ignores_the_value_after_it_even_in_the_sign_of_zero(isa):
+    """vdpbf16ps sums positions in pairs: a row ending at an odd count pairs its last position with a zero
+    weight, and with the next position's value where a longer row of its request reads it. 0 x -1 is -0, and
+    -0 + -0 keeps a sign that +0 would not: here every earlier product of dim 0 flushes to -0 (tiny values,
+    as vdpbf16ps flushes them), so the row's dim 0 is -0 or +0 depending on its neighbour unless that value
+    is left out. The same bits alone and beside the longer row."""
+    fn = _kernel_or_skip(torch.bfloat16, 2, 1, 32, isa)
+    q = torch.ones(2, 2, 32)
+    k_cache, v_cache = torch.zeros(16, 1, 32), torch.ones(16, 1, 32)
+    k_cache[2] = 1.0  # position 2 scores highest: the earlier ones get weights of about 0.0035
+    v_cache[:2, 0, 0] = -2e-38  # their products underflow: dim 0's sum stays a -0
+    v_cache[2, 0, 0] = -0.0
+    v_cache[3, 0, 0] = -1.0  # read by the 4-key row only
+    q, k_cache, v_cache = q.to(torch.bfloat16), k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    block_table, context_lens = torch.zeros(2, 1, dtype=torch.int64), torch.tensor([3, 4])
+    together, _ = _run(fn, q, k_cache, v_cache, block_table, context_lens)
+    alone, _ = _run(fn, q[:1], k_cache, v_cache, block_table[:1], context_lens[:1])
+    assert torch.equal(_bits(together[0]), _bits(alone[0])), (together[0, :2], alone[0, :2])
 
 
 @pytest.mark.skipif("avx2" not in LEVELS, reason="the CPU does not run AVX2")
