@@ -221,9 +221,9 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
             dp_keys_by_word(L->k_cache + kvh * L->head_bytes, off, n_max, words, kt);
             for (int i0 = 0; i0 < nr; i0 += GROUP_ROWS) {
                 const int sub = nr - i0 < GROUP_ROWS ? nr - i0 : GROUP_ROWS;
-                const char *q[GROUP_ROWS];
-                float *scores[GROUP_ROWS];
-                f32x16 *max_score[GROUP_ROWS];
+                const char *q[GROUP_ROWS] = {0};
+                float *scores[GROUP_ROWS] = {0};
+                f32x16 *max_score[GROUP_ROWS] = {0};
                 for (int i = 0; i < sub; i++) {
                     q[i] = (const char *)S[i0 + i].q + kvh * group * L->head_bytes;
                     scores[i] = S[i0 + i].scores + kvh * group * S[i0 + i].stride + t * LANES;
@@ -280,20 +280,4 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
     for (int i = 0; i < nr; i++) dp_store_row(L, &r[i], &S[i], num_heads, chunks);
 }
 
-#define DP_SHAPE(G, C)                                                                                     \
-    static __attribute__((noinline)) void dp_attend_##G##_##C(                                              \
-        const struct layer *L, const struct row *r, int nr, const struct row *next, const struct scratch *S) { \
-        dp_attend(L, r, nr, next, S, G, C);                                                                  \
-    }
-DP_SHAPE(3, 4)
-DP_SHAPE(4, 4)
-
-static void dp_attend_any(const struct layer *L, const struct row *r, int nr, const struct row *next,
-                          const struct scratch *S, int group, int chunks) {
-    if (group == 3 && chunks == 4)
-        dp_attend_3_4(L, r, nr, next, S);
-    else if (group == 4 && chunks == 4)
-        dp_attend_4_4(L, r, nr, next, S);
-    else
-        dp_attend(L, r, nr, next, S, group, chunks);
-}
+GROUP_SHAPES(dp_attend) /* dp_attend_any */

@@ -671,24 +671,29 @@ static void attend_row_any(const struct layer *L, const struct row *r, const str
         attend_row(L, r, next, S, group, chunks);
 }
 
-#ifndef EIGHT_LANES
-#define GROUP_SHAPE(G, C)                                                                                        \
-    static __attribute__((noinline)) void attend_group_##G##_##C(                                               \
-        const struct layer *L, const struct row *r, int nr, const struct row *next, const struct scratch *S) {  \
-        attend_group(L, r, nr, next, S, G, C);                                                                 \
+/* For a function FN(L, r, nr, next, S, group, chunks) over rows of one request: FN_3_4 and FN_4_4 (the
+ * common shapes, each compiled on its own with constant shapes, as for the rows above) and FN_any, which
+ * takes one of them or FN itself. */
+#define GROUP_SHAPE(FN, G, C)                                                                                   \
+    static __attribute__((noinline)) void FN##_##G##_##C(const struct layer *L, const struct row *r, int nr,     \
+                                                          const struct row *next, const struct scratch *S) {      \
+        FN(L, r, nr, next, S, G, C);                                                                          \
     }
-GROUP_SHAPE(3, 4)
-GROUP_SHAPE(4, 4)
+#define GROUP_SHAPES(FN)                                                                                        \
+    GROUP_SHAPE(FN, 3, 4)                                                                                       \
+    GROUP_SHAPE(FN, 4, 4)                                                                                       \
+    static void FN##_any(const struct layer *L, const struct row *r, int nr, const struct row *next,             \
+                         const struct scratch *S, int group, int chunks) {                                      \
+        if (group == 3 && chunks == 4)                                                                          \
+            FN##_3_4(L, r, nr, next, S);                                                                        \
+        else if (group == 4 && chunks == 4)                                                                     \
+            FN##_4_4(L, r, nr, next, S);                                                                        \
+        else                                                                                                    \
+            FN(L, r, nr, next, S, group, chunks);                                                               \
+    }
 
-static void attend_group_any(const struct layer *L, const struct row *r, int nr, const struct row *next,
-                             const struct scratch *S, int group, int chunks) {
-    if (group == 3 && chunks == 4)
-        attend_group_3_4(L, r, nr, next, S);
-    else if (group == 4 && chunks == 4)
-        attend_group_4_4(L, r, nr, next, S);
-    else
-        attend_group(L, r, nr, next, S, group, chunks);
-}
+#ifndef EIGHT_LANES
+GROUP_SHAPES(attend_group)
 #endif
 
 #ifdef __AVX512BF16__
