@@ -199,21 +199,16 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
                                                             const int group, const int chunks) {
     const int pairs = chunks / 2, words = pairs * LANES;
     const int64_t num_heads = L->num_kv_heads * group;
-    int64_t ctx_max = 0, tiles[DP_ROWS];
-    for (int i = 0; i < nr; i++) {
-        dp_start_row(L, &r[i], &S[i], num_heads, chunks);
-        tiles[i] = (r[i].ctx + LANES - 1) / LANES;
-        ctx_max = r[i].ctx > ctx_max ? r[i].ctx : ctx_max;
-    }
+    int64_t tiles[DP_ROWS];
+    for (int i = 0; i < nr; i++) dp_start_row(L, &r[i], &S[i], num_heads, chunks);
+    const int64_t ctx_max = group_tiles(r, nr, tiles);
     const int64_t tiles_max = (ctx_max + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
     int64_t off[LANES], next_off[LANES];
     int n[DP_ROWS];
     struct ahead pf;
     /* Pass 1: scores, the tile's keys transposed once for all rows; its V slots are requested for pass 2. */
     for (int64_t t = 0; t < tiles_max; t++) {
-        const int n_max = tile_size(ctx_max, t);
-        tile_offsets(L, r[0].blocks, t, n_max, off);
-        for (int i = 0; i < nr; i++) n[i] = t < tiles[i] ? tile_size(r[i].ctx, t) : 0;
+        const int n_max = group_tile(L, r, nr, tiles, ctx_max, t, off, n);
         if (t + GROUP_KEYS_AHEAD < tiles_max) prefetch_keys(L, &r[0], t + GROUP_KEYS_AHEAD, t + GROUP_KEYS_AHEAD + 1);
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++) {
             for (int j = 0; j < n_max; j++) prefetch(L->v_cache + off[j] + kvh * L->head_bytes, L->head_bytes);
@@ -250,9 +245,7 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
         }
     /* Pass 2: the weighted sums of values, two rows at a time; the K slots of the next row are requested. */
     for (int64_t t = 0; t < tiles_max; t++) {
-        const int n_max = tile_size(ctx_max, t);
-        tile_offsets(L, r[0].blocks, t, n_max, off);
-        for (int i = 0; i < nr; i++) n[i] = t < tiles[i] ? tile_size(r[i].ctx, t) : 0;
+        group_tile(L, r, nr, tiles, ctx_max, t, off, n);
         pf = (struct ahead){L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
         if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)

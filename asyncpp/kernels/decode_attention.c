@@ -563,26 +563,41 @@ static inline __attribute__((always_inline)) void attend_row(const struct layer 
 
 #ifndef EIGHT_LANES
 
+/* The tile count of each of the nr rows of a group in tiles[], and their longest context. */
+static inline int64_t group_tiles(const struct row *r, int nr, int64_t *tiles) {
+    int64_t ctx_max = 0;
+    for (int i = 0; i < nr; i++) {
+        tiles[i] = (r[i].ctx + LANES - 1) / LANES;
+        ctx_max = r[i].ctx > ctx_max ? r[i].ctx : ctx_max;
+    }
+    return ctx_max;
+}
+
+/* Tile t of a group: the offsets of its slots (the longest row's n_max positions, returned) and each row's
+ * count of them in n[] (0 past the row's tiles). */
+static inline int group_tile(const struct layer *L, const struct row *r, int nr, const int64_t *tiles, int64_t ctx_max,
+                             int64_t t, int64_t off[LANES], int *n) {
+    const int n_max = tile_size(ctx_max, t);
+    tile_offsets(L, r[0].blocks, t, n_max, off);
+    for (int i = 0; i < nr; i++) n[i] = t < tiles[i] ? tile_size(r[i].ctx, t) : 0;
+    return n_max;
+}
+
 /* attend_row for the nr (2..GROUP_ROWS) rows r[] of one request (the same blocks), row i with scratch S[i]. */
 static inline __attribute__((always_inline)) void attend_group(const struct layer *L, const struct row *r, int nr,
                                                                const struct row *next, const struct scratch *S,
                                                                const int group, const int chunks) {
     const int64_t head_dim = (int64_t)chunks * LANES, num_heads = L->num_kv_heads * group;
-    int64_t ctx_max = 0, tiles[GROUP_ROWS];
-    for (int i = 0; i < nr; i++) {
-        start_row(L, &r[i], &S[i], group, chunks);
-        tiles[i] = (r[i].ctx + LANES - 1) / LANES;
-        ctx_max = r[i].ctx > ctx_max ? r[i].ctx : ctx_max;
-    }
+    int64_t tiles[GROUP_ROWS];
+    for (int i = 0; i < nr; i++) start_row(L, &r[i], &S[i], group, chunks);
+    const int64_t ctx_max = group_tiles(r, nr, tiles);
     const int64_t tiles_max = (ctx_max + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
     int64_t off[LANES], next_off[LANES];
     int n[GROUP_ROWS];
     struct ahead pf;
     /* Pass 1: scores; this tile's V slots are requested for pass 2. */
     for (int64_t t = 0; t < tiles_max; t++) {
-        const int n_max = tile_size(ctx_max, t);
-        tile_offsets(L, r[0].blocks, t, n_max, off);
-        for (int i = 0; i < nr; i++) n[i] = t < tiles[i] ? tile_size(r[i].ctx, t) : 0;
+        const int n_max = group_tile(L, r, nr, tiles, ctx_max, t, off, n);
         pf = (struct ahead){L->v_cache, off, n_max};
         if (t + GROUP_KEYS_AHEAD < tiles_max) prefetch_keys(L, &r[0], t + GROUP_KEYS_AHEAD, t + GROUP_KEYS_AHEAD + 1);
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++) {
@@ -614,9 +629,7 @@ static inline __attribute__((always_inline)) void attend_group(const struct laye
                           S[i].denom + kvh * group, group);
     /* Pass 2: the weighted sums of values, two rows at a time; the K slots of the next row are requested. */
     for (int64_t t = 0; t < tiles_max; t++) {
-        const int n_max = tile_size(ctx_max, t);
-        tile_offsets(L, r[0].blocks, t, n_max, off);
-        for (int i = 0; i < nr; i++) n[i] = t < tiles[i] ? tile_size(r[i].ctx, t) : 0;
+        group_tile(L, r, nr, tiles, ctx_max, t, off, n);
         pf = (struct ahead){L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
         if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
