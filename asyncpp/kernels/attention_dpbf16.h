@@ -94,16 +94,9 @@ static inline __attribute__((always_inline)) void dp_score_tile_rows(
                 memcpy(&qw, q[r] + g * head_bytes + w * 4, sizeof qw);
                 s[r][g] = _mm512_dpbf16_ps(s[r][g], (__m512bh)kt[w], (__m512bh)_mm512_set1_epi32((int)qw));
             }
-    for (int r = 0; r < nr; r++) {
-        if (n[r] <= 0) continue;
-        const i32x16 valid = LANE_INDEX < (i32x16){0} + n[r];
-        for (int g = 0; g < group; g++) {
-            const f32x16 sg = (f32x16)s[r][g] * scale;
-            memcpy(scores[r] + g * stride, &sg, sizeof sg);
-            const i32x16 larger = (sg > max_score[r][g]) & valid;
-            max_score[r][g] = (f32x16)(((i32x16)sg & larger) | ((i32x16)max_score[r][g] & ~larger));
-        }
-    }
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < group && n[r] > 0; g++)
+            keep_scores(scores[r] + g * stride, (f32x16)s[r][g] * scale, &max_score[r][g], n[r]);
 }
 
 /* A head's ctx softmax numerators (float32, at p) rounded to bfloat16 in place (p[0 .. ctx) as uint16),

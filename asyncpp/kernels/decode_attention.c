@@ -205,6 +205,14 @@ static inline f32x16 hsum16(const f32x16 v[LANES]) {
 
 static const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
+/* A head's scores sg for a tile's 16 positions, stored at dst; those of its n first positions (the keys)
+ * kept in the per-lane maxima. */
+static inline void keep_scores(float *dst, f32x16 sg, f32x16 *max_score, int n) {
+    memcpy(dst, &sg, sizeof sg);
+    const i32x16 larger = (sg > *max_score) & (LANE_INDEX < (i32x16){0} + n);
+    *max_score = (f32x16)(((i32x16)sg & larger) | ((i32x16)*max_score & ~larger));
+}
+
 /* Pass 1 for one kv head and one tile of n keys (at `k_head` + off[j]): the scores of its `group` heads,
  * head g's stored at scores[g * stride], and their per-lane maxima. This kv head's part of the slots in
  * `pf` (`pf_head`: its offset) is requested meanwhile. */
@@ -228,13 +236,7 @@ static inline __attribute__((always_inline)) void score_tile(
             for (int g = 0; g < group; g++) s[g][j] += qv[g][c] * k;
         }
     }
-    const i32x16 valid = LANE_INDEX < (i32x16){0} + n;
-    for (int g = 0; g < group; g++) {
-        const f32x16 sg = hsum16(s[g]);
-        memcpy(scores + g * stride, &sg, sizeof sg);
-        const i32x16 larger = (sg > max_score[g]) & valid;
-        max_score[g] = (f32x16)(((i32x16)sg & larger) | ((i32x16)max_score[g] & ~larger));
-    }
+    for (int g = 0; g < group; g++) keep_scores(scores + g * stride, hsum16(s[g]), &max_score[g], n);
 }
 
 /* Pass 2 for one kv head and one tile of n value rows (at `v_head` + off[j]): acc[g][c] += w * v for its
@@ -316,16 +318,9 @@ static inline __attribute__((always_inline)) void score_tile_rows(
                 for (int g = 0; g < group; g++) s[r][g][j] += qv[g][c] * k[c];
         }
     }
-    for (int r = 0; r < nr; r++) {
-        if (n[r] <= 0) continue;
-        const i32x16 valid = LANE_INDEX < (i32x16){0} + n[r];
-        for (int g = 0; g < group; g++) {
-            const f32x16 sg = hsum16(s[r][g]);
-            memcpy(scores[r] + g * stride, &sg, sizeof sg);
-            const i32x16 larger = (sg > max_score[r][g]) & valid;
-            max_score[r][g] = (f32x16)(((i32x16)sg & larger) | ((i32x16)max_score[r][g] & ~larger));
-        }
-    }
+    for (int r = 0; r < nr; r++)
+        for (int g = 0; g < group && n[r] > 0; g++)
+            keep_scores(scores[r] + g * stride, hsum16(s[r][g]), &max_score[r][g], n[r]);
 }
 
 /* value_tile for two rows of a group (nr = 1 or 2; 2 * group * chunks accumulators): row r's weights
@@ -779,25 +774,27 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
 #pragma omp parallel num_threads(num_threads)
     {
         struct scratch S[GROUP];
-        int ok = 1;
-        for (int i = 0; i < group_rows; i++) {
-            S[i] = scratch_alloc(num_heads, chunks, max_context_len > 0 ? max_context_len : 1);
-            ok &= S[i].scores != NULL;
-        }
+        int allocated = 0; /* S[0 .. allocated): as many as the thread's largest group of rows needs so far */
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t first = first_row(context_lens, num_reqs, t, nt);
         const int64_t end = t + 1 == nt ? num_reqs : first_row(context_lens, num_reqs, t + 1, nt);
-        if (!ok) {
-#pragma omp atomic write
-            status = 2;
-        } else if (first < end) {
+        if (first < end) {
             const struct row r = row_at(&B, first);
             prefetch_keys(&L, &r, 0, (r.ctx + LANES - 1) / LANES);
         }
-        for (int64_t i = first; i < end && ok;) {
+        for (int64_t i = first; i < end;) {
             /* The rows of one request that follow each other in this thread's range, up to group_rows. */
             int nr = 1;
             while (nr < group_rows && i + nr < end && same_blocks(&B, i, i + nr, block_size)) nr++;
+            for (; allocated < nr; allocated++) {
+                S[allocated] = scratch_alloc(num_heads, chunks, max_context_len > 0 ? max_context_len : 1);
+                if (S[allocated].scores == NULL) break;
+            }
+            if (allocated < nr) {
+#pragma omp atomic write
+                status = 2;
+                break;
+            }
             struct row r[GROUP];
             for (int k = 0; k < nr; k++) r[k] = row_at(&B, i + k);
             const struct row next = row_at(&B, i + nr < end ? i + nr : i);
@@ -819,7 +816,7 @@ int decode_attention(const void *q, int64_t q_token_stride, const void *k_cache,
             attend_row_any(&L, &r[0], nx, &S[0], (int)group, (int)chunks);
             i += 1;
         }
-        for (int i = 0; i < group_rows; i++) free(S[i].scores);
+        for (int i = 0; i < allocated; i++) free(S[i].scores);
     }
     return status;
 }
