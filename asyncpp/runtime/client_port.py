@@ -97,8 +97,9 @@ class ClientPort:
         self.engine_only = engine_only  # message types only the engine role may send
         # Keyed by engine request id (`request_ids`): what the sink and the engine know requests by.
         self.peer_of: dict[str, bytes] = {}  # unfinished request -> its client
-        self.taking: dict[str, tuple[bytes, asyncio.Task]] = {}  # requests taken in a task of their own
-        self.names_remote_kv: set[str] = set()  # of those, the ones with kv_transfer_params
+        # Requests taken in a task of their own -> (client, task, whether its kv_transfer_params name
+        # another engine's blocks).
+        self.taking: dict[str, tuple[bytes, asyncio.Task, bool]] = {}
         self.abort_once_taken: set[str] = set()  # of those, the ones their client aborted (`_stop_taking`)
         self.ids = RequestIds()  # (client, its id) <-> engine id, for every request taken or being taken
         self.log = get_logger(role="engine", pp_rank=None)
@@ -161,17 +162,14 @@ class ClientPort:
             msg = dataclasses.replace(msg, request_id=engine_id)
         if self.sink.is_slow(msg):
             task = asyncio.create_task(self._take(peer, client_id, msg))
-            self.taking[engine_id] = (peer, task)
-            if msg.kv_transfer_params is not None:
-                self.names_remote_kv.add(engine_id)
+            self.taking[engine_id] = (peer, task, msg.kv_transfer_params is not None)
             task.add_done_callback(lambda done: self._taken(engine_id, done))
         else:
             await self._take(peer, client_id, msg)
 
     def _taken(self, engine_id: str, task: asyncio.Task) -> None:
-        if self.taking.get(engine_id, (None, None))[1] is task:
+        if self.taking.get(engine_id, (None, None, False))[1] is task:
             del self.taking[engine_id]
-            self.names_remote_kv.discard(engine_id)
             self.abort_once_taken.discard(engine_id)
 
     def _stop_taking(self, engine_id: str) -> None:
@@ -179,7 +177,7 @@ class ClientPort:
         but one whose params name another engine's blocks (a disaggregated decode) would leave them held
         there until that engine's pull timeout: it is taken all the same and aborted at once (`_take`), so
         that the connector releases them, as for a request aborted once taken."""
-        if engine_id in self.names_remote_kv:
+        if self.taking[engine_id][2]:  # names another engine's blocks
             self.abort_once_taken.add(engine_id)
             return
         self.taking.pop(engine_id)[1].cancel()  # never taken (the task frees its engine id)
@@ -235,7 +233,7 @@ class ClientPort:
 
     def drop_peer(self, peer: bytes) -> None:
         """The client is gone: abort its requests."""
-        for engine_id, (p, _) in list(self.taking.items()):
+        for engine_id, (p, _, _) in list(self.taking.items()):
             if p == peer:
                 self._stop_taking(engine_id)
         gone = [engine_id for engine_id, p in self.peer_of.items() if p == peer]

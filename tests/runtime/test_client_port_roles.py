@@ -156,7 +156,7 @@ async def test_an_abort_while_a_request_naming_remote_kv_is_taken_takes_it_then_
         sink.release.set()
         await asyncio.sleep(0.05)
         assert sink.taken == ["a"] and sink.aborted == ["a"]
-        assert port.peer_of == {} and port.taking == {} and port.names_remote_kv == port.abort_once_taken == set()
+        assert port.peer_of == {} and port.taking == {} and port.abort_once_taken == set()
         await client.put(GenerateRequest("a", "fast"))  # over: the id is free again, and nothing came for it
         await client.put(HealthRequest(2))
         assert await reply(client) == HealthReply(2, True)
