@@ -157,10 +157,10 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     log = get_logger(role="launch")
     torch.set_num_threads(1)  # the engine process schedules; the stages compute
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
-    plan = resolve_compute_plan(config.model, config.stage_devices)  # so is an ISA level it lacks
+    arch = read_arch(config.model.source, config.model.path_or_none)
+    plan = resolve_compute_plan(config.model, config.stage_devices, heads=arch.heads)  # so is an ISA level it lacks
     log.info("compute_plan", **plan.describe())
     log_shift_layers(config, log)
-    arch = read_arch(config.model.source, config.model.path_or_none)
     capacity = resolve_capacity(config, arch, plan.dtype)
     # Both ports before the model loads: one in use is exit 2 naming its key, not a traceback later.
     check_http_port(config)

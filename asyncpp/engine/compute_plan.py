@@ -20,7 +20,11 @@ activation ring takes the plan's resolved values, never the config's
 - bfloat16 linears on a CPU with AVX512-BF16: the row count from which they
   multiply with float32 FMA instead of vdpbf16ps (the same bits, another
   speed), measured on this CPU or forced by `model.fma_min_rows`
-  (`asyncpp.kernels.linear_choice`).
+  (`asyncpp.kernels.linear_choice`);
+- attention on CPU stages, given the model's heads: vdpbf16ps for bfloat16
+  caches at avx512_bf16 and up with head_dim a multiple of 32, float32
+  multiplies elsewhere, torch's SDPA where the C kernel does not serve the
+  shape or does not build (`asyncpp.kernels.decode_attention.arithmetic`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from asyncpp.config import ConfigError, ModelConfig
+from asyncpp.dtypes import torch_dtype
+from asyncpp.kernels import decode_attention
 from asyncpp.kernels import isa as kernel_isa
 from asyncpp.kernels.linear_choice import NOT_APPLICABLE, LinearChoice
 
@@ -48,6 +54,7 @@ class ComputePlan:
     cpu_features: dict[str, bool]
     best_isa: str  # the best level this CPU runs
     linears: LinearChoice = field(default=NOT_APPLICABLE)  # bfloat16 linears: vdpbf16ps or float32 FMA by rows
+    attention: str = ""  # CPU stages' attention arithmetic ("vdpbf16ps", ...); "" on CUDA or heads not given
 
     @property
     def fma_min_rows(self) -> tuple[int | None, int | None]:
@@ -65,12 +72,15 @@ class ComputePlan:
             "reason": self.reason,
             "cpu_features": dict(self.cpu_features),
             **self.linears.describe(),
+            **({"attention": self.attention} if self.attention else {}),
         }
 
     def summary(self) -> str:
-        """One short line: `cpu: avx2 of avx512_bf16; dtype float32: <why>; weights float`."""
+        """One short line: `cpu: avx2 of avx512_bf16; dtype float32: <why>; weights float[; linears ...][; attention ...]`."""
         text = f"cpu: {self.isa} of {self.best_isa}; dtype {self.reason}; weights {self.weight_format}"
-        return text if self.linears is NOT_APPLICABLE else f"{text}; {self.linears.summary()}"
+        if self.linears is not NOT_APPLICABLE:
+            text = f"{text}; {self.linears.summary()}"
+        return f"{text}; attention {self.attention}" if self.attention else text
 
 
 def resolve_compute_plan(
@@ -79,10 +89,14 @@ def resolve_compute_plan(
     info: kernel_isa.CpuInfo | None = None,
     native_kernel_builds: Callable[[str, str], bool] | None = None,
     choose_linears: Callable[[str, int], LinearChoice] | None = None,
+    heads: tuple[int, int, int] | None = None,
+    attention_kernel_builds: Callable[[str], bool] | None = None,
 ) -> ComputePlan:
     """The plan for `model` on the stages' `devices`; `info`: the CPU (default: this machine's);
     `native_kernel_builds(dtype, isa)`: whether native weights' kernel builds here (default: try);
-    `choose_linears(isa, model.fma_min_rows)`: the bfloat16 linears' choice (default: measure or cache)."""
+    `choose_linears(isa, model.fma_min_rows)`: the bfloat16 linears' choice (default: measure or cache);
+    `heads`: the model's (num_heads, num_kv_heads, head_dim), for the attention's arithmetic on CPU
+    (None: not reported); `attention_kernel_builds(isa)`: whether its C kernel builds (default: try)."""
     info = info or kernel_isa.cpu_info()
     try:
         isa = kernel_isa.resolve_isa(model.cpu_isa, info, key="model.cpu_isa")
@@ -99,6 +113,10 @@ def resolve_compute_plan(
     linears = NOT_APPLICABLE
     if not on_cuda and dtype == "bfloat16" and kernel_isa.at_least(isa, "avx512_bf16") and model.linear_kernel == "auto":
         linears = (choose_linears or _choose_linears)(isa, model.fma_min_rows)
+    attention = ""
+    if heads is not None and not on_cuda:
+        builds = (attention_kernel_builds or decode_attention.kernel_builds)(isa)
+        attention = decode_attention.arithmetic(isa, torch_dtype(dtype), *heads, builds=builds)
     return ComputePlan(
         isa=isa,
         dtype=dtype,
@@ -108,6 +126,7 @@ def resolve_compute_plan(
         cpu_features=info.features(),
         best_isa=info.best_level,
         linears=linears,
+        attention=attention,
     )
 
 

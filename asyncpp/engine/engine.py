@@ -282,8 +282,8 @@ class Engine(EngineCore):
     def __init__(self, config: EngineConfig) -> None:
         torch.set_num_threads(config.parallel.num_threads)
         devices = check_devices(config)
-        plan = resolve_compute_plan(config.model, devices)  # a bad cpu_isa / dtype / weight_format: here
         arch = read_arch(config.model.source, config.model.path_or_none)
+        plan = resolve_compute_plan(config.model, devices, heads=arch.heads)  # a bad cpu_isa / dtype / weight_format: here
         tokenizer = load_tokenizer(config.model.source, config.model.path_or_none, arch.vocab_size)
         capacity = resolve_capacity(config, arch, plan.dtype)
         run_id = f"{os.getpid()}-{next(_RUN_IDS)}"

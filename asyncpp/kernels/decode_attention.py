@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from asyncpp.kernels.build import VEC_DTYPE_CODES, load_kernel_library
-from asyncpp.kernels.isa import native_level
+from asyncpp.kernels.isa import at_least, native_level
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -35,12 +35,32 @@ def decode_attention_kernel(
     head_dim: int,
     isa: str | None = None,
 ) -> DecodeAttention | None:
-    group = num_heads // num_kv_heads
-    supported = head_dim % 16 == 0 and head_dim <= 256 and group * num_kv_heads == num_heads and group <= 16
-    if torch.device(device).type != "cpu" or dtype not in VEC_DTYPE_CODES or not supported:
+    if torch.device(device).type != "cpu" or not serves(dtype, num_heads, num_kv_heads, head_dim):
         return None
     lib = load_kernel_library("decode_attention", isa or native_level())
     return None if lib is None else wrap_library(lib, dtype)
+
+
+def serves(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel computes this cache dtype and head shape (else the torch path does)."""
+    group = num_heads // num_kv_heads
+    shape_ok = head_dim % 16 == 0 and head_dim <= 256 and group * num_kv_heads == num_heads and group <= 16
+    return dtype in VEC_DTYPE_CODES and shape_ok
+
+
+def arithmetic(isa: str, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, builds: bool) -> str:
+    """What a CPU stage's attention multiplies with, in a few words, as `decode_attention.c` dispatches at
+    level `isa` (the ready line, `stats()`); `builds`: whether the kernel loads here (else torch's SDPA)."""
+    if not builds or not serves(dtype, num_heads, num_kv_heads, head_dim):
+        return "torch SDPA"
+    if dtype == torch.bfloat16 and at_least(isa, "avx512_bf16") and head_dim % 32 == 0:
+        return "vdpbf16ps"
+    return "float32 multiplies" if dtype == torch.float32 else "float32 multiplies of widened bfloat16"
+
+
+def kernel_builds(isa: str) -> bool:
+    """Whether the kernel loads at level `isa` here (it is built and cached once)."""
+    return load_kernel_library("decode_attention", isa) is not None
 
 
 def wrap_library(lib: ctypes.CDLL, dtype: torch.dtype) -> DecodeAttention:

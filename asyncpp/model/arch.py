@@ -40,6 +40,11 @@ class ModelArch:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def heads(self) -> tuple[int, int, int]:
+        """(num_heads, num_kv_heads, head_dim): the attention's shape."""
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+    @property
     def layer_params(self) -> int:
         """Weights of one decoder layer's linears (q, k, v, o, gate, up, down): its multiply-adds per token."""
         return (

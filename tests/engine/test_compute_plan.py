@@ -11,6 +11,7 @@ from asyncpp.engine.engine import Engine
 from asyncpp.kernels import isa
 from asyncpp.kernels.isa import CpuInfo
 from asyncpp.kernels.linear_choice import NOT_APPLICABLE, LinearChoice
+from asyncpp.weights import read_arch
 from tests.conftest import tiny_config
 
 AVX2 = ("avx2", "fma", "f16c")
@@ -155,10 +156,11 @@ def test_this_machine_is_the_default_cpu():
 
 def test_in_process_engine_sizes_and_builds_with_the_resolved_dtype(tiny_hf_dir):
     config = tiny_config(tiny_hf_dir, model={"dtype": "auto"})
-    plan = resolve_compute_plan(config.model, config.stage_devices)
+    heads = read_arch(config.model.source, config.model.path_or_none).heads
+    plan = resolve_compute_plan(config.model, config.stage_devices, heads=heads)
     engine = Engine(config)
     try:
-        assert engine.compute_plan == plan
+        assert engine.compute_plan == plan and plan.attention  # the in-process engine names its attention too
         kv_cache = engine.executor.runners[0].kv_caches[0][0]
         assert kv_cache.dtype == torch_dtype(plan.dtype)
         out = engine.generate([[5, 6, 7]])[0]
@@ -178,3 +180,42 @@ def test_in_process_engine_refuses_a_level_the_cpu_lacks(tiny_hf_dir, monkeypatc
         Engine(tiny_config(tiny_hf_dir, model={"cpu_isa": "avx512"}))
     with pytest.raises(ConfigError, match="model.dtype"):
         Engine(tiny_config(tiny_hf_dir, model={"weight_format": "native", "dtype": "bfloat16"}))
+
+
+SMOLLM2_HEADS = (9, 3, 64)
+
+
+@pytest.mark.parametrize(
+    ("info", "model", "heads", "builds", "expected"),
+    [
+        (ZEN4, {}, SMOLLM2_HEADS, True, "vdpbf16ps"),  # bfloat16 caches at avx512_bf16
+        (SAPPHIRE, {}, SMOLLM2_HEADS, True, "vdpbf16ps"),  # and above
+        (ZEN4, {}, (6, 2, 48), True, "float32 multiplies of widened bfloat16"),  # head_dim not a multiple of 32
+        (ZEN4, {"cpu_isa": "avx512", "dtype": "bfloat16"}, SMOLLM2_HEADS, True, "float32 multiplies of widened bfloat16"),
+        (ZEN4, {"dtype": "float32"}, SMOLLM2_HEADS, True, "float32 multiplies"),
+        (AVX2_ONLY, {}, SMOLLM2_HEADS, True, "float32 multiplies"),  # auto: float32 below AVX512-BF16
+        (ZEN4, {}, (6, 2, 40), True, "torch SDPA"),  # head_dim not a multiple of 16: the kernel does not serve it
+        (ZEN4, {}, SMOLLM2_HEADS, False, "torch SDPA"),  # the kernel does not build here
+    ],
+)
+def test_the_plan_names_the_attention_arithmetic_of_the_cpu_stages(info, model, heads, builds, expected):
+    asked = []
+
+    def attention_builds(level: str) -> bool:
+        asked.append(level)
+        return builds
+
+    plan = resolve_compute_plan(ModelConfig(**model), CPU, info, lambda dtype, level: True, lambda level, forced: CHOSEN,
+                                heads=heads, attention_kernel_builds=attention_builds)
+    assert asked == [plan.isa]
+    assert plan.attention == expected
+    assert plan.describe()["attention"] == expected
+    assert plan.summary().endswith(f"; attention {expected}")
+
+
+def test_no_attention_is_reported_on_cuda_or_without_the_heads():
+    cuda = resolve_compute_plan(ModelConfig(), ("cuda:0",), ZEN4, lambda dtype, level: True, heads=SMOLLM2_HEADS,
+                                attention_kernel_builds=lambda level: pytest.fail("asked on CUDA"))
+    assert cuda.attention == "" and "attention" not in cuda.describe() and "attention" not in cuda.summary()
+    assert plan_for(ZEN4).attention == ""
+

@@ -17,7 +17,7 @@ from asyncpp.kernels.isa import cpu_info, torch_isa_env
 from asyncpp.runtime.stage_group import _environ
 from tests.runtime.harness import launched, tiny_sections
 
-PLAN_KEYS = {"cpu_model", "isa", "best_isa", "dtype", "weight_format", "reason", "cpu_features"}
+PLAN_KEYS = {"cpu_model", "isa", "best_isa", "dtype", "weight_format", "reason", "cpu_features", "attention"}
 
 
 def ready_line(output: list[str]) -> str:
@@ -50,7 +50,9 @@ async def test_stats_and_ready_line_show_the_plan(shared_pp2_engine):
     weights = stats["weight_bytes_per_stage"]
     assert len(weights) == 2 and all(type(n) is int and n > 0 for n in weights), weights
     line = ready_line(shared_pp2_engine.output)
-    assert f"(cpu: {best} of {best}; dtype float32: set by model.dtype; weights native)" in line, line
+    # the tiny model's float32 caches: the attention kernel's float32 arithmetic, named in stats and the line
+    assert stats["attention"] == "float32 multiplies"
+    assert f"(cpu: {best} of {best}; dtype float32: set by model.dtype; weights native; attention float32 multiplies)" in line, line
     [event] = events(shared_pp2_engine.log_file, "compute_plan")
     assert {k: event[k] for k in PLAN_KEYS} == {k: stats[k] for k in PLAN_KEYS}
 
