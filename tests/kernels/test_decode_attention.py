@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncpp.kernels import build
+from asyncpp.kernels import build, decode_attention
 from asyncpp.kernels.isa import cpu_info, native_level
 from asyncpp.kernels.decode_attention import decode_attention_kernel
 from asyncpp.model.attention import AttentionMetadata, paged_attention
@@ -200,6 +200,18 @@ def test_unsupported_shapes_and_devices_fall_back():
     assert decode_attention_kernel("cpu", torch.float32, 5, 2, 16) is None  # heads not a multiple of kv heads
     assert decode_attention_kernel("cpu", torch.float16, 4, 2, 16) is None
     assert decode_attention_kernel("meta", torch.float32, 4, 2, 16) is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "served"),
+    [
+        ((4, 2, 256), True), ((4, 2, 272), False),  # head_dim up to 256
+        ((16, 1, 64), True), ((17, 1, 64), False),  # up to 16 query heads per kv head
+        ((6, 4, 64), False),  # 6 heads over 4 kv heads: not whole groups (6 // 4 * 4 != 6)
+    ],
+)
+def test_the_kernel_serves_head_dims_up_to_256_and_groups_up_to_16(shape, served):
+    assert decode_attention.serves(torch.float32, *shape) is served
 
 
 def test_build_cache_and_disable_switch(tmp_path, monkeypatch):
