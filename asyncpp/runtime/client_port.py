@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import structlog
 
@@ -52,6 +52,14 @@ from asyncpp.wire.client_msgs import (
 from asyncpp.wire.client_auth import ENGINE
 from asyncpp.wire.codec import WireError
 from asyncpp.wire.queues import PeerGoneError, RouterQueue
+
+
+class Taking(NamedTuple):
+    """A request being taken in a task of its own."""
+
+    peer: bytes  # its client
+    task: asyncio.Task
+    names_remote_kv: bool  # its kv_transfer_params name another engine's blocks
 
 
 class RequestRefused(Exception):
@@ -97,9 +105,7 @@ class ClientPort:
         self.engine_only = engine_only  # message types only the engine role may send
         # Keyed by engine request id (`request_ids`): what the sink and the engine know requests by.
         self.peer_of: dict[str, bytes] = {}  # unfinished request -> its client
-        # Requests taken in a task of their own -> (client, task, whether its kv_transfer_params name
-        # another engine's blocks).
-        self.taking: dict[str, tuple[bytes, asyncio.Task, bool]] = {}
+        self.taking: dict[str, Taking] = {}  # requests taken in a task of their own
         self.abort_once_taken: set[str] = set()  # of those, the ones their client aborted (`_stop_taking`)
         self.ids = RequestIds()  # (client, its id) <-> engine id, for every request taken or being taken
         self.log = get_logger(role="engine", pp_rank=None)
@@ -162,13 +168,14 @@ class ClientPort:
             msg = dataclasses.replace(msg, request_id=engine_id)
         if self.sink.is_slow(msg):
             task = asyncio.create_task(self._take(peer, client_id, msg))
-            self.taking[engine_id] = (peer, task, msg.kv_transfer_params is not None)
+            self.taking[engine_id] = Taking(peer, task, msg.kv_transfer_params is not None)
             task.add_done_callback(lambda done: self._taken(engine_id, done))
         else:
             await self._take(peer, client_id, msg)
 
     def _taken(self, engine_id: str, task: asyncio.Task) -> None:
-        if self.taking.get(engine_id, (None, None, False))[1] is task:
+        entry = self.taking.get(engine_id)
+        if entry is not None and entry.task is task:
             del self.taking[engine_id]
             self.abort_once_taken.discard(engine_id)
 
@@ -177,10 +184,10 @@ class ClientPort:
         but one whose params name another engine's blocks (a disaggregated decode) would leave them held
         there until that engine's pull timeout: it is taken all the same and aborted at once (`_take`), so
         that the connector releases them, as for a request aborted once taken."""
-        if self.taking[engine_id][2]:  # names another engine's blocks
+        if self.taking[engine_id].names_remote_kv:
             self.abort_once_taken.add(engine_id)
             return
-        self.taking.pop(engine_id)[1].cancel()  # never taken (the task frees its engine id)
+        self.taking.pop(engine_id).task.cancel()  # never taken (the task frees its engine id)
         self.ids.detach(engine_id)  # the client may use its id again at once
 
     async def _take(self, peer: bytes, client_id: str, msg: GenerateRequest) -> None:
@@ -233,8 +240,8 @@ class ClientPort:
 
     def drop_peer(self, peer: bytes) -> None:
         """The client is gone: abort its requests."""
-        for engine_id, (p, _, _) in list(self.taking.items()):
-            if p == peer:
+        for engine_id, entry in list(self.taking.items()):
+            if entry.peer == peer:
                 self._stop_taking(engine_id)
         gone = [engine_id for engine_id, p in self.peer_of.items() if p == peer]
         for engine_id in gone:

@@ -175,7 +175,7 @@ async def test_a_client_gone_cancels_what_is_being_taken_for_it(port):
         await client.put(GenerateRequest("b", "slow", {}, REMOTE_KV))
         await client.put(HealthRequest(1))
         assert await reply(client) == HealthReply(1, True)
-        peer = port.taking["a"][0]
+        peer = port.taking["a"].peer
     finally:
         client.close()
     port.drop_peer(peer)
