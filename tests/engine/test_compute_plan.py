@@ -220,7 +220,6 @@ def test_no_attention_is_reported_on_cuda_or_without_the_heads():
     assert plan_for(ZEN4).attention == ""
 
 
-
 def test_the_native_kernel_is_asked_to_build_for_the_plans_dtype_and_level():
     asked = []
     plan = resolve_compute_plan(ModelConfig(), CPU, ZEN4, lambda dtype, level: asked.append((dtype, level)) or True,
