@@ -9,8 +9,9 @@
 # out, ignore_eos, greedy, a new set of prompts per concurrency (seed = concurrency: no run finds its
 # prompts in a prefix cache the run before filled). Every server is driven over its OpenAI API by the same client
 # ($PEERS/load.py, `vllm bench serve`'s metrics), so asyncpp's figures include its HTTP front end.
-# Prints one table (output tok/s and mean TPOT per server and concurrency) and keeps every run's
-# JSON in OUT_DIR. Needs the peers installed once: $PEERS/setup.sh (about 20 min on 2 cores).
+# Prints the tables (`python -m asyncpp.bench.peers_table OUT_DIR`, which reprints them from the JSON
+# later): output tok/s and mean TPOT per server and concurrency, the long prompts' TTFT, and every
+# target of issue #54 per round. Every run's JSON stays in OUT_DIR. Needs the peers installed once: $PEERS/setup.sh (about 20 min on 2 cores).
 #
 # env: PEERS (default ../shared/peers next to this checkout), PEERS_DIR (their installs),
 #      PROMPTS_C1=16 PROMPTS_C16=64 PROMPTS_C64=128, SKIP="vllm-float32 ..." to leave servers out,
@@ -21,8 +22,8 @@
 #      move by 10-20% from one minute to the next).
 # Rounds are interleaved: round r runs every server in turn (vLLM, llama.cpp, asyncpp's variants) on
 # round r's prompts before round r + 1 starts, so a slow spell of the machine falls on all of them
-# alike, and the table's ratio column is asyncpp-auto over the round's faster peer, per round, then
-# the median [range]. vLLM compiles for minutes at every start, so its servers start once and stay
+# alike; every ratio (asyncpp-auto over the round's faster peer, one stage over asyncpp-auto) is
+# taken within a round, then given as the median [range] and per round. vLLM compiles for minutes at every start, so its servers start once and stay
 # up (idle, ~1% of a core) while the others run; llama.cpp and asyncpp start and stop within each
 # round. A vLLM server already answering on its port (8100 bfloat16, 8101 float32) is used and left up.
 set -euo pipefail
@@ -100,70 +101,4 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 
-"$PY" - "$OUT" <<'PYEOF'
-import json, pathlib, statistics, sys
-out = pathlib.Path(sys.argv[1])
-servers = ["llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1"]
-peers = ["llamacpp", "vllm-float32", "vllm-bfloat16"]
-
-
-def runs(name: str, c: int) -> dict[int, dict]:
-    """Round -> that round's result."""
-    files = {1: out / f"{name}-c{c}.json", **{int(f.stem.rsplit("-r", 1)[1]): f for f in out.glob(f"{name}-c{c}-r*.json")}}
-    return {r: json.loads(f.read_text()) for r, f in files.items() if f.exists()}
-
-
-results = {(name, c): runs(name, c) for name in servers for c in (1, 16, 64)}
-rows = []
-for name in servers:
-    cells = []
-    for c in (1, 16, 64):
-        got = list(results[name, c].values())
-        if not got:
-            cells.append("-")
-            continue
-        tok_s = [d["output_tok_s"] for d in got]
-        tpot = statistics.median(d["tpot_ms_mean"] for d in got)
-        spread = f" [{min(tok_s):.1f}-{max(tok_s):.1f}]" if len(got) > 1 else ""
-        cells.append(f"{statistics.median(tok_s):.1f} ({tpot:.1f}){spread}")
-    rows.append(f"| {name} | " + " | ".join(cells) + " |")
-# asyncpp-auto against the round's faster peer: c1 by TPOT (llama.cpp's, the target), c16 / c64 by tok/s.
-ratio_cells = []
-for c in (1, 16, 64):
-    ratios = []
-    for r, d in sorted(results["asyncpp-auto", c].items()):
-        if c == 1:
-            ref = results["llamacpp", c].get(r)
-            if ref:
-                ratios.append(d["tpot_ms_mean"] / ref["tpot_ms_mean"])
-        else:
-            best = max((results[p, c][r]["output_tok_s"] for p in peers if r in results[p, c]), default=None)
-            if best:
-                ratios.append(d["output_tok_s"] / best)
-    ratio_cells.append(f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-")
-rows.append("| asyncpp-auto / faster peer, per round (c1: TPOT / llama.cpp's) | " + " | ".join(ratio_cells) + " |")
-print("\noutput tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos; median [range] of the rounds:")
-print("| server | c1 | c16 | c64 |\n| --- | ---: | ---: | ---: |")
-print("\n".join(rows))
-long_rows = []
-for name in servers:
-    got = list(runs(name, "long").values())
-    if got:
-        ttft = statistics.median(d["ttft_ms_mean"] for d in got)
-        p99 = statistics.median(d["ttft_ms_p99"] for d in got)
-        total = statistics.median(d.get("total_tok_s", 0.0) for d in got)
-        long_rows.append(f"| {name} | {ttft:.0f} | {p99:.0f} | {total:.0f} |")
-ratios = []
-for r, d in sorted(runs("asyncpp-auto", "long").items()):
-    ref = [runs(p, "long").get(r) for p in peers]
-    best = min((x["ttft_ms_mean"] for x in ref if x), default=None)
-    if best:
-        ratios.append(d["ttft_ms_mean"] / best)
-if long_rows:
-    print("\nlong prompts (1000 words in, 16 out, concurrency 4): TTFT mean, p99 (ms), total tok/s; median of the rounds:")
-    print("| server | TTFT mean | TTFT p99 | total tok/s |\n| --- | ---: | ---: | ---: |")
-    print("\n".join(long_rows))
-    if ratios:
-        print(f"asyncpp-auto mean TTFT / the faster peer's, per round: {statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]")
-(out / "table.md").write_text("\n".join(rows + [""] + long_rows) + "\n")
-PYEOF
+"$PY" -m asyncpp.bench.peers_table "$OUT"  # the tables (asyncpp/bench/peers_table.py), also in OUT/table.md
