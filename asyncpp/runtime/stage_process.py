@@ -6,8 +6,10 @@ sends `StageHandshake` with its connector's transfer endpoint (None without
 one) before it takes any plan, so on the outputs channel every handshake
 precedes that stage's first `StageOutput`.
 
-Per step: take the plan (engine -> every stage, in step order), take the
-activation notice from the previous stage (same order), run
+Per step: take the plan (engine -> every stage, in step order); a stage
+after the first prepares the step (`ModelRunner.prepare_step`: states, KV
+connector binding, inputs) and only then waits for the activation notice from
+the previous stage (same order), so the wait hides the preparation; run
 `execute_model`; a non-last stage writes its activations into the next
 stage's ring slot, sends the notice and reports
 `ModelRunnerOutput.with_kv_conn_output_only(...)`; the last stage runs
@@ -343,13 +345,18 @@ class Stage:
         moves_activations = not plan.is_empty
         is_handed_off = is_connector_done = False
         read_slot = None  # the ring slot this step reads, released once its forward is enqueued
+        prepare_s = 0.0  # the step's preparation while its activations were on their way: busy time too
         try:
             self.threads.apply(plan.num_threads)
             intermediate = None
             if self.acts_in is not None and moves_activations:
-                notice = self.acts_in.get()
-                self.phases.mark("wait_activations")
-                t0 = t_written = time.time()  # waiting for the previous stage is not busy time
+                try:
+                    self.runner.prepare_step(plan)  # before the wait, which hides it
+                finally:  # the notice is taken even when preparing failed: the next step must not read it
+                    prepare_s = time.time() - t0
+                    notice = self.acts_in.get()
+                    self.phases.mark("wait_activations")
+                    t0 = t_written = time.time()  # waiting for the previous stage is not busy time
                 if notice.step_id != plan.step_id:
                     raise RuntimeError(f"activation notice for step {notice.step_id} while running step {plan.step_id}")
                 intermediate = self.receiver.view(notice)
@@ -394,11 +401,15 @@ class Stage:
             if self.tokens_out is not None:  # nor may the first stage wait forever
                 self.tokens_out.send_failed(plan.step_id)
         t1 = time.time() if self.args.is_last or error is not None else t_written
-        return self._stage_output(plan, output, t0, t1, handoff_us, error)
+        return self._stage_output(plan, output, t0, t1, handoff_us, error, prepare_s)
 
     def _stage_output(
-        self, plan: StepPlan, output: ModelRunnerOutput, t0: float, t1: float, handoff_us: float, error: str | None
+        self, plan: StepPlan, output: ModelRunnerOutput, t0: float, t1: float, handoff_us: float, error: str | None,
+        prepare_s: float = 0.0,
     ) -> StageOutput:
+        """The step's report; its busy time is the slice t0..t1 plus `prepare_s`, the preparation done
+        before the slice (while the activations were on their way), which the stage spent on it too."""
+        busy_s = t1 - t0 + prepare_s
         if self.is_debug:  # this core is the pipeline's: spend nothing on an event nobody keeps
             self.log.debug(
                 "stage_done",
@@ -407,11 +418,12 @@ class Stage:
                 num_reqs=plan.num_reqs,
                 start_us=int(t0 * 1e6),
                 end_us=int(t1 * 1e6),
-                busy_ms=round((t1 - t0) * 1e3, 3),
+                busy_ms=round(busy_s * 1e3, 3),
+                prepare_ms=round(prepare_s * 1e3, 3),
                 handoff_us=round(handoff_us, 1),
                 num_threads=self.threads.current,
             )
-        return StageOutput(plan.step_id, self.args.pp_rank, output, t1 - t0, handoff_us, error)
+        return StageOutput(plan.step_id, self.args.pp_rank, output, busy_s, handoff_us, error)
 
     def _abort_step(self, plan: StepPlan, output: ModelRunnerOutput) -> ModelRunnerOutput:
         """Close a failed step: the connector still runs its transfers and reports."""

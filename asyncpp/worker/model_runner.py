@@ -3,7 +3,11 @@
 1. `execute_model(plan, intermediate)`: prepare inputs in persistent buffers
    and run the slice. A non-last stage returns the `IntermediateTensors` to
    hand to the next stage. The last stage computes logits for the requests
-   that sample and keeps them in an explicit `ExecuteModelState`.
+   that sample and keeps them in an explicit `ExecuteModelState`. The
+   preparation, everything that needs neither the previous stage's
+   activations nor sampled tokens, may run ahead as `prepare_step(plan)`: a
+   stage after the first calls it before it waits for its activations, so the
+   wait hides it (the first stage's inputs need the tokens: it does not).
 2. `sample_tokens()` (last stage only): sample from that state (verifying the
    drafts a request's row carries: `asyncpp.speculative.rejection`), run the
    speculative proposer (its drafts go out with the sampled tokens, tagged by
@@ -54,7 +58,7 @@ from asyncpp.worker.async_output import AsyncSample, DeviceSample, DeviceTokens,
 from asyncpp.worker.cuda_graphs import StepGraphs
 from asyncpp.worker.kv_connector import KVConnectorWrapper
 from asyncpp.worker.outputs import Logprobs, ModelRunnerOutput
-from asyncpp.worker.step_inputs import StepInputBuffers
+from asyncpp.worker.step_inputs import StepInputBuffers, StepInputs
 
 
 @dataclass
@@ -133,6 +137,7 @@ class ModelRunner:
         self.latest_drafts: dict[str, list[int]] = {}
         self.accepted_all: dict[str, bool] = {}
         self.execute_state: ExecuteModelState | None = None
+        self.prepared: tuple[int, StepInputs | None] | None = None  # (step id, its inputs) from `prepare_step`
         self.forward_step_id = -1  # the latest step whose forward ran to its end (its KV is written)
         self.kv_connector = kv_connector or KVConnectorWrapper()
         self.phases: StepPhases | _NoPhases = NO_PHASES  # the stage sets its own (`asyncpp.step_phases`)
@@ -171,9 +176,11 @@ class ModelRunner:
         self.graphs.capture_all()
 
     @torch.inference_mode()
-    def execute_model(
-        self, plan: StepPlan, intermediate: IntermediateTensors | None = None
-    ) -> IntermediateTensors | None:
+    def prepare_step(self, plan: StepPlan) -> None:
+        """The step's work before its forward: the requests' states, the KV connector's binding (which
+        starts loads), the inputs. `execute_model` of the same plan then runs the forward on them; it
+        prepares itself when this was not called. On the first stage the inputs take the sampled tokens
+        of `plan.after_step_id`: call it only once they are recorded."""
         if self.execute_state is not None:
             raise RuntimeError(f"execute_model(step {plan.step_id}) before sample_tokens of step {self.execute_state.step_id}")
         phases = self.phases
@@ -183,12 +190,25 @@ class ModelRunner:
         phases.mark("update_states")
         self.kv_connector.pre_forward(plan)
         phases.mark("kv_pre_forward")
-        if plan.is_empty:
+        inputs = None
+        if not plan.is_empty:
+            void = self._void_continuations(plan) if self.is_last and plan.after_step_id is not None else frozenset()
+            first = self.model.is_first
+            inputs = self.buffers.prepare(plan, self.sampled_token_ids if first else None, self.latest_drafts, void)
+            phases.mark("prepare_inputs")
+        self.prepared = (plan.step_id, inputs)
+
+    @torch.inference_mode()
+    def execute_model(
+        self, plan: StepPlan, intermediate: IntermediateTensors | None = None
+    ) -> IntermediateTensors | None:
+        if self.prepared is None or self.prepared[0] != plan.step_id:
+            self.prepare_step(plan)
+        (_, inputs), self.prepared = self.prepared, None
+        if inputs is None:  # a plan with no tokens: the connector is only polled
             return None
-        void = self._void_continuations(plan) if self.is_last and plan.after_step_id is not None else frozenset()
-        first = self.model.is_first
-        inputs = self.buffers.prepare(plan, self.sampled_token_ids if first else None, self.latest_drafts, void)
-        phases.mark("prepare_inputs")
+        phases = self.phases
+        finished = self.execute_state.finished_req_ids
         phases.gpu_begin("forward")
         if not self.model.is_first:
             if intermediate is None:
@@ -329,7 +349,7 @@ class ModelRunner:
     def abort_step(self, plan: StepPlan) -> ModelRunnerOutput:
         """A step that failed on this stage, before, in or after its forward: drop its state and end
         its KV transfers (loads started or reported failed; saves only of what the forward wrote)."""
-        self.execute_state = None
+        self.execute_state = self.prepared = None
         kv_output = self.kv_connector.abort_step(plan, is_forward_done=self.forward_step_id == plan.step_id)
         return ModelRunnerOutput.with_kv_conn_output_only(kv_output)
 

@@ -64,7 +64,7 @@ class FaultyWorker(OffloadWorker):
         self.num_loads_started: dict[str, int] = {}  # request -> start_load_kv calls that started it
 
     def arm(self, plan) -> None:
-        """Called before each step's execute_model: decides whether this step fails, and where."""
+        """Called once per step, as it is prepared: decides whether this step fails, and where."""
         self.armed = None
         if self.fail_at is None or plan.is_empty:
             return
@@ -121,17 +121,26 @@ def _worker_of(runner: ModelRunner) -> FaultyWorker | None:
     return connector if isinstance(connector, FaultyWorker) else None
 
 
+_prepare_step = ModelRunner.prepare_step
 _execute_model = ModelRunner.execute_model
 _sample = ModelRunner._sample
 _propose_drafts = ModelRunner.propose_drafts
 
 
-def _faulty_execute_model(self: ModelRunner, plan, intermediate=None):
+def _faulty_prepare_step(self: ModelRunner, plan) -> None:
+    """Every step is prepared once (ahead, or by its execute_model): arm the fault there, before the
+    connector's binding starts its loads."""
     worker = _worker_of(self)
-    if worker is None:
-        return _execute_model(self, plan, intermediate)
-    worker.arm(plan)
-    if worker.armed != "forward":
+    if worker is not None:
+        worker.arm(plan)
+    return _prepare_step(self, plan)
+
+
+def _faulty_execute_model(self: ModelRunner, plan, intermediate=None):
+    if self.prepared is None or self.prepared[0] != plan.step_id:
+        self.prepare_step(plan)  # armed now, unless a stage prepared (and armed) ahead
+    worker = _worker_of(self)
+    if worker is None or worker.armed != "forward":
         return _execute_model(self, plan, intermediate)
 
     def broken_forward(*args, **kwargs):
@@ -158,6 +167,7 @@ def _faulty_propose_drafts(self: ModelRunner, state, output) -> None:
     return _propose_drafts(self, state, output)
 
 
+ModelRunner.prepare_step = _faulty_prepare_step
 ModelRunner.execute_model = _faulty_execute_model
 ModelRunner._sample = _faulty_sample
 ModelRunner.propose_drafts = _faulty_propose_drafts
