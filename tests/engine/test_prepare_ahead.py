@@ -88,6 +88,25 @@ def test_an_empty_plan_is_prepared_with_no_inputs(tiny_hf_dir):
 def test_the_stage_reports_its_preparation_as_busy_time():
     stage = types.SimpleNamespace(is_debug=False, args=types.SimpleNamespace(pp_rank=1))
     plan = StepPlan(7, [])
-    out = Stage._stage_output(stage, plan, ModelRunnerOutput(), 10.0, 10.25, 0.0, None, prepare_s=0.5)
-    assert (out.step_id, out.pp_rank, out.busy_s) == (7, 1, 0.75)
+    output = ModelRunnerOutput(req_ids=["r"], sampled_token_ids=[[5]])
+    out = Stage._stage_output(stage, plan, output, 10.0, 10.25, 3.5, "stage 1: boom", prepare_s=0.5)
+    assert (out.step_id, out.pp_rank, out.busy_s, out.handoff_us, out.error) == (7, 1, 0.75, 3.5, "stage 1: boom")
+    assert out.output is output
     assert Stage._stage_output(stage, plan, ModelRunnerOutput(), 10.0, 10.25, 0.0, None).busy_s == 0.25
+
+
+def test_the_stage_done_event_gives_the_slice_and_the_busy_time():
+    events = []
+    log = types.SimpleNamespace(debug=lambda event, **fields: events.append((event, fields)))
+    stage = types.SimpleNamespace(
+        is_debug=True, log=log, args=types.SimpleNamespace(pp_rank=1), threads=types.SimpleNamespace(current=2)
+    )
+    plan = StepPlan(7, [])
+    Stage._stage_output(stage, plan, ModelRunnerOutput(), 10.0, 10.25, 12.34, None, prepare_s=0.5004321)
+    [(event, fields)] = events
+    assert event == "stage_done"
+    assert fields == {
+        "step_id": 7, "num_tokens": 0, "num_reqs": 0, "start_us": 10_000_000, "end_us": 10_250_000,
+        "busy_ms": pytest.approx(750.432, abs=1e-6), "prepare_ms": pytest.approx(500.432, abs=1e-6),
+        "handoff_us": pytest.approx(12.3, abs=1e-9), "num_threads": 2,
+    }  # fmt: skip (milliseconds to 3 decimals, microseconds to 1)
