@@ -51,23 +51,25 @@ def test_steps_prepared_ahead_give_the_same_tokens(tiny_hf_dir):
     assert num_ahead > 10  # prompt chunks and decode steps alike
 
 
-def test_a_step_prepared_for_another_plan_refuses_to_run(tiny_hf_dir):
+def _first_step_prepared(tiny_hf_dir):
+    """Two in-process stages, one request, its first plan prepared ahead on the last stage."""
     engine = Engine(tiny_config(tiny_hf_dir, parallel=PP2))
-    _, last = engine.executor.runners
+    first, last = engine.executor.runners
     engine.add_request(tiny_prompts(320, 1)[0], GREEDY)
     plan = engine.scheduler.schedule()
     last.prepare_step(plan)
+    return first, last, plan
+
+
+def test_a_step_prepared_for_another_plan_refuses_to_run(tiny_hf_dir):
+    _, last, plan = _first_step_prepared(tiny_hf_dir)
     other = StepPlan(plan.step_id + 1, plan.scheduled)
     with pytest.raises(RuntimeError, match=f"execute_model\\(step {other.step_id}\\) before sample_tokens of step {plan.step_id}"):
         last.execute_model(other)
 
 
 def test_an_aborted_step_drops_its_prepared_inputs(tiny_hf_dir):
-    engine = Engine(tiny_config(tiny_hf_dir, parallel=PP2))
-    first, last = engine.executor.runners
-    engine.add_request(tiny_prompts(320, 1)[0], GREEDY)
-    plan = engine.scheduler.schedule()
-    last.prepare_step(plan)
+    first, last, plan = _first_step_prepared(tiny_hf_dir)
     last.abort_step(plan)
     assert last.prepared is None and last.execute_state is None
     last.prepare_step(plan)  # the same plan again, as after a failed step: no stale state in the way
