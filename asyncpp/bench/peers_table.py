@@ -68,8 +68,8 @@ def throughput_rows(results: dict[tuple[str, int], Rounds]) -> list[str]:
             if not got:
                 cells.append("-")
                 continue
-            tok_s = [d["output_tok_s"] for d in got]
-            tpot = statistics.median(d["tpot_ms_mean"] for d in got)
+            tok_s = [d[OUTPUT] for d in got]
+            tpot = statistics.median(d[TPOT] for d in got)
             rng = f" [{min(tok_s):.1f}-{max(tok_s):.1f}]" if len(got) > 1 else ""
             cells.append(f"{statistics.median(tok_s):.1f} ({tpot:.1f}){rng}")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -81,8 +81,8 @@ def long_rows(long: dict[str, Rounds]) -> list[str]:
     for name in SERVERS:
         got = list(long[name].values())
         if got:
-            mean = statistics.median(d["ttft_ms_mean"] for d in got)
-            p99 = statistics.median(d["ttft_ms_p99"] for d in got)
+            mean = statistics.median(d[TTFT] for d in got)
+            p99 = statistics.median(d[P99] for d in got)
             total = statistics.median(d.get("total_tok_s", 0.0) for d in got)
             rows.append(f"| {name} | {mean:.0f} | {p99:.0f} | {total:.0f} |")
     return ["| server | TTFT mean | TTFT p99 | total tok/s |", "| --- | ---: | ---: | ---: |", *rows] if rows else []
