@@ -3,6 +3,7 @@ the float32 ops are in test_fused_ops_f32.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -81,15 +82,48 @@ def test_silu_mul_is_the_same_at_every_level():
     if len(kernels) < 2:
         pytest.skip("one ISA level (or no C compiler) here")
     g = torch.Generator().manual_seed(3)
-    gate_up = (30 * torch.randn(37, 2 * 100, generator=g)).to(BF16)  # |x| past the exp clamp (87) too
+    gate_up = (30 * torch.randn(37, 2 * 300, generator=g)).to(BF16)  # |x| past the exp clamp (87) too
     gate_up[0, :8] = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 1e30, -1e30, 1e-30, -1e-30]).to(BF16)
     first = kernels[0].silu_mul(gate_up)
     for k in kernels[1:]:
         assert torch.equal(k.silu_mul(gate_up).view(torch.int16), first.view(torch.int16))
 
 
+def _narrow(f: np.ndarray) -> np.ndarray:
+    """cpu_math.h's narrow(): float32 -> bfloat16 bits, nearest with ties to even (no NaN here)."""
+    u = f.view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _silu_reference(x: np.ndarray) -> np.ndarray:
+    """cpu_math.h's silu in float32, operation for operation (exp_nonpositive(-|x|), its Cephes polynomial)."""
+    f = np.float32
+    a = np.minimum(np.abs(x), f(87.0))  # exp_nonpositive's clamp of -|x| at -87
+    n = np.rint(-a * f(1.44269504088896341))
+    r = (-a - n * f(0.693145751953125)) - n * f(1.428606765330187e-06)
+    p = f(1.9875691500e-4) * r + f(1.3981999507e-3)
+    for c in (8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = ((p * r) * r + r) + f(1.0)
+    t = p * ((n.astype(np.int32) + 127) << 23).view(np.float32)
+    return x * (np.where(x >= 0, f(1.0), t) / (f(1.0) + t))
+
+
+def test_silu_mul_gives_the_formula_s_bits_for_every_bfloat16_gate(ops):
+    """silu_mul looks its gates up in a table: every one of the 65536 gates (times up = 1) must give
+    bf16(silu(gate)) exactly as cpu_math.h computes it; NaN gates give a NaN."""
+    gates = torch.from_numpy(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.int16)).view(BF16).reshape(256, 256)
+    out = ops.silu_mul(torch.cat([gates, torch.ones_like(gates)], dim=1)).view(torch.int16).numpy().view(np.uint16)
+    x = gates.float().numpy().ravel()
+    is_nan = np.isnan(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = _narrow(_silu_reference(x))
+    assert np.array_equal(out.ravel()[~is_nan], expected[~is_nan])
+    assert torch.isnan(torch.from_numpy(out.ravel()[is_nan].view(np.int16)).view(BF16).float()).all()
+
+
 @pytest.mark.parametrize("num_tokens", [1, 64, 257])
-@pytest.mark.parametrize("inter", [96, 100])  # 100: a partial vector of 4 at the end of each row
+@pytest.mark.parametrize("inter", [96, 100, 300])  # 100: a partial vector of 4 at the end of each row; 300: 256 + 44
 def test_silu_mul_matches_torch(ops, num_tokens, inter):
     arch = ModelArch(
         vocab_size=10, hidden_size=32, intermediate_size=inter, num_layers=1, num_heads=2, num_kv_heads=1,
@@ -127,3 +161,16 @@ def test_rope_matches_torch_in_place(ops, head_dim):
     assert out.data_ptr() == qk.data_ptr()
     assert torch.equal(out, ref)
     assert torch.equal(qkv[:, 4 * head_dim :], v_before), "v must be left alone"
+
+
+def test_rope_takes_each_half_of_the_tables_as_given(ops):
+    """A model's cos and sin repeat across the two halves of a head; the op must not rely on it: with
+    random tables it still equals torch's x * cos + rotate_half(x) * sin in bfloat16."""
+    g = torch.Generator().manual_seed(5)
+    head_dim, half = 64, 32
+    cos, sin = torch.randn(50, head_dim, generator=g), torch.randn(50, head_dim, generator=g)
+    positions = torch.randint(0, 50, (9,), generator=g)
+    x = torch.randn(9, 3, head_dim, generator=g).to(BF16)
+    c, s = cos[positions].to(BF16)[:, None, :], sin[positions].to(BF16)[:, None, :]
+    ref = x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+    assert torch.equal(ops.rope_(x.clone(), positions, cos, sin), ref)
