@@ -23,14 +23,16 @@ def test_each_op_is_timed_against_the_first_version(capsys, monkeypatch, dtype):
     assert fused_ops_ab.main([str(ROOT), str(ROOT), "--rows", "3,17", "--repeats", "2", "--level", "generic",
                               "--dtype", dtype]) == 0  # fmt: skip
     assert len(built) == 1  # one tree named twice is built once
-    lines = _lines(capsys)
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"fused ops at level generic, {dtype}, one thread")
+    lines = [line for line in out.splitlines() if line.startswith("rows")]
     assert [line.split()[2] for line in lines] == ["add_rms_norm", "silu_mul", "rope"] * 2
     assert [line.split()[1] for line in lines] == ["3"] * 3 + ["17"] * 3
     for line in lines:
         assert line.endswith("same bits")
         first, second = line.split(" us ")[1:3]
         assert first.startswith("1.000x") and second.split()[0].endswith("x")
-        assert float(line.split()[3]) > 0.0  # microseconds a call
+        assert 0.0 < float(line.split()[3]) < 20_000.0  # microseconds a call (these ops take a few to 100s)
 
 
 def test_versions_that_write_other_bits_are_flagged(capsys, tmp_path):
