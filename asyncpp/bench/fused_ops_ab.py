@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from asyncpp.kernels.build import compile_source
+from asyncpp.kernels.build import compile_checkout
 from asyncpp.kernels.fused_ops import CFusedOps
 from asyncpp.kernels.isa import native_level
 
@@ -31,10 +31,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def load_version(tree: Path, out_dir: Path, index: int, level: str, dtype: torch.dtype) -> CFusedOps:
     """The ops of checkout `tree` (its source and headers), built into `out_dir` as the package builds its own."""
-    kernels = tree / "asyncpp" / "kernels"
     so = out_dir / f"fused_ops_{index}.so"
-    headers = {h.name: h.read_bytes() for h in kernels.glob("*.h")}
-    compile_source((kernels / "fused_ops.c").read_bytes(), level, so, headers)
+    compile_checkout(tree, "fused_ops", level, so)
     return CFusedOps(ctypes.CDLL(str(so)), dtype)
 
 

@@ -21,16 +21,14 @@ from pathlib import Path
 import torch
 
 from asyncpp.bench.linears import _linears, _stack
-from asyncpp.kernels.build import compile_source
+from asyncpp.kernels.build import compile_checkout
 from asyncpp.kernels.linear_bf16 import Bf16Linear, Bf16NativeKernel
 
 
 def load_version(tree: Path, out_dir: Path, index: int, fma: bool) -> Bf16NativeKernel:
     """The kernel of checkout `tree` (its source and headers), built into `out_dir` as the package builds its own."""
-    kernels = tree / "asyncpp" / "kernels"
     so = out_dir / f"linear_bf16_{index}.so"
-    headers = {h.name: h.read_bytes() for h in kernels.glob("*.h")}
-    compile_source((kernels / "linear_bf16.c").read_bytes(), "avx512_bf16", so, headers)
+    compile_checkout(tree, "linear_bf16", "avx512_bf16", so)
     kernel = Bf16Linear(ctypes.CDLL(str(so)))
     kernel.set_fma_min_rows(*((1, 1) if fma else (None, None)))
     return Bf16NativeKernel(kernel)

@@ -82,6 +82,14 @@ def compile_source(source: bytes, isa: str, target: Path, headers: dict[str, byt
     _compile(compiler, _BASE_FLAGS + compile_flags(isa), source, _headers() if headers is None else headers, target)
 
 
+def compile_checkout(tree: Path, name: str, isa: str, target: Path) -> None:
+    """Build kernel `name` of another checkout of asyncpp at `tree` (its `asyncpp/kernels/<name>.c` and the
+    headers beside it) for level `isa` into `target`: the benchmarks' A/B of two versions."""
+    kernels = tree / "asyncpp" / "kernels"
+    headers = {h.name: h.read_bytes() for h in kernels.glob("*.h")}
+    compile_source((kernels / f"{name}.c").read_bytes(), isa, target, headers)
+
+
 def _headers() -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in resources.files("asyncpp.kernels").iterdir() if f.name.endswith(".h")}
 
