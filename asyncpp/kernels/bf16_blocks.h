@@ -22,12 +22,14 @@
  * chunk p holding column c's input 2p + t. Either way one chunk widens to dpbf16's operand
  * (dword lane c = column c, inputs of one pair) with no shuffle.
  *
- * Rows go in tiles (Q4: up to 8 rows, Q8_0: up to 16, its expansion costing more); a tile
+ * Rows go in tiles (Q4: up to 8 rows, or up to 6 in a batch of more than 8; Q8_0: up to 16, its
+ * expansion costing more); a tile
  * expands the q in registers as it streams a BLOCK, two pairs at a time, and each expanded q
  * feeds all the tile's rows. Per 32-input block, `part` (registers) sums x * q for mt rows x np
  * panels; then acc += d * part (+ m * sx). acc is either in registers too (2 * mt * np zmm: 1-2
- * rows x 4 panels, 3-4 x 2, up to 12 x 1) or, for the shapes that would not fit, in an
- * L1-resident array (Q4: 3-4 rows x 4 panels, 5-7 x 2; Q8_0: 13-16 x 1), which gives every
+ * rows x 4 panels, 3-4 x 2, up to 12 x 1; Q4 5-6 rows x 2, 24 zmm with the sums) or, for the
+ * shapes that would not fit, in an
+ * L1-resident array (Q4: 3-4 rows x 4 panels, 7 x 2; Q8_0: 13-16 x 1), which gives every
  * shape at least 8 independent dpbf16 chains (their latency is 6 cycles) and more rows per
  * expanded q. Each (format, rows) shape is its own function, aligned to a cache line: its
  * placement otherwise moved the 1-row speed by ~5%. The first tile of a BLOCK prefetches the
@@ -41,6 +43,7 @@ enum { QB_Q8_0 = 3, QB_Q4_0 = 4, QB_Q4_1 = 5 }; /* qlinear's format codes */
 #define QK 32
 #define QPAIRS (QK / 2)
 #define QB_TILE_ROWS_Q4 8   /* rows per tile at most, Q4 */
+#define QB_TILE_ROWS_Q4_MANY 6 /* ... in a batch of more than QB_TILE_ROWS_Q4 rows: sums in registers */
 #define QB_TILE_ROWS_Q8 16  /* and Q8_0 */
 #define QB_TILE_ROWS 16     /* the larger */
 #define QB_PREFETCH_AHEAD 12 /* input blocks ahead that the tiles prefetch into L2 (Q4_1: 15 KB, DRAM's latency) */
@@ -244,7 +247,7 @@ typedef void (*qb_tile_fn)(const uint16_t *, int64_t, const float *, int, const 
     }
 #define QB_Q4_SHAPES(F)                                                                                 \
     QB_TILE_DEF(F, 1, 4, 0) QB_TILE_DEF(F, 2, 4, 0) QB_TILE_DEF(F, 3, 4, 1) QB_TILE_DEF(F, 4, 4, 1) \
-    QB_TILE_DEF(F, 5, 2, 1) QB_TILE_DEF(F, 6, 2, 1) QB_TILE_DEF(F, 7, 2, 1) QB_TILE_DEF(F, 8, 1, 0)
+    QB_TILE_DEF(F, 5, 2, 0) QB_TILE_DEF(F, 6, 2, 0) QB_TILE_DEF(F, 7, 2, 1) QB_TILE_DEF(F, 8, 1, 0)
 QB_Q4_SHAPES(QB_Q4_0)
 QB_Q4_SHAPES(QB_Q4_1)
 QB_TILE_DEF(QB_Q8_0, 1, 4, 0) QB_TILE_DEF(QB_Q8_0, 2, 4, 0) QB_TILE_DEF(QB_Q8_0, 3, 2, 0) QB_TILE_DEF(QB_Q8_0, 4, 2, 0)
@@ -292,9 +295,13 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
 
 #define QE_TILE_ROWS 6
 #define QE_PANELS 2 /* panels per pass of a tile: 12 partial sums and 12 sums in registers */
-/* Fewer rows stream: with 2 streaming tiles (9-16 Q4 rows) the expansion pass costs more than the second
- * tile's own expansion (9 rows: 0.73x, 16: 1.0x, 24: 1.13x on Zen 4). */
+/* Fewer rows stream: with 2 streaming tiles (9-16 Q8_0 rows) the expansion pass costs more than the second
+ * tile's own expansion (Q4 then: 9 rows 0.73x, 16: 1.0x, 24: 1.13x on Zen 4). Q4 tiles of 5-6 rows
+ * with their sums in registers expand a vector in 2 shuffles per 10-12 dpbf16, cheaper than writing it
+ * to the buffer and reading it back, up to about 100 rows: over a stage's Q4_1 linears on weights in
+ * DRAM (2 MB pages), 0.90-0.97x the expanded path's time at 24-96 rows, 0.96-1.11x from 104 (Zen 4). */
 #define QE_MIN_ROWS 16
+#define QE_MIN_ROWS_Q4 96
 
 struct qb_expanded {
     __m512bh *w;  /* [NB][k / 2]: panel j's operand for input pair kp at w[j * k / 2 + kp] */

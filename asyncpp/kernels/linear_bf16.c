@@ -191,15 +191,17 @@ static int linear_bf16_q_rows(int fmt, const uint16_t *x, int64_t ldx, int64_t m
         free(sx);
         return 0;
     }
-    const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS_Q8 : QB_TILE_ROWS_Q4;
+    const int64_t tile_rows = fmt == QB_Q8_0 ? QB_TILE_ROWS_Q8 : m > QB_TILE_ROWS_Q4 ? QB_TILE_ROWS_Q4_MANY : QB_TILE_ROWS_Q4;
     const int64_t num_tiles = (m + tile_rows - 1) / tile_rows;
     const qb_tile_fn *tiles = fmt == QB_Q8_0 ? qb_tiles_q8_0 : fmt == QB_Q4_0 ? qb_tiles_q4_0 : qb_tiles_q4_1;
     const int64_t num_e_tiles = (m + QE_TILE_ROWS - 1) / QE_TILE_ROWS;
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     {
         const unsigned csr = csr_enter();
-        /* More than QE_MIN_ROWS rows: expand each BLOCK once (without the buffer: stream, the same bits). */
-        struct qb_expanded e = m > QE_MIN_ROWS ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
+        /* More than QE_MIN_ROWS (Q4: QE_MIN_ROWS_Q4) rows: expand each BLOCK once (without the buffer:
+         * stream, the same bits). */
+        const int64_t min_rows = fmt == QB_Q8_0 ? QE_MIN_ROWS : QE_MIN_ROWS_Q4;
+        struct qb_expanded e = m > min_rows ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks; b++) {
             const uint8_t *wb = packed + b * block_bytes;
