@@ -14,6 +14,7 @@ import functools
 import torch
 
 from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.huge_pages import weight_buffer
 from asyncpp.kernels.isa import native_level
 from asyncpp.kernels.qlinear import BLOCK_FORMATS, FORMATS
 
@@ -66,7 +67,8 @@ class Bf16Linear:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
-        packed = weight.new_empty(self._lib.linear_bf16_packed_numel(out_features, in_features))
+        numel = self._lib.linear_bf16_packed_numel(out_features, in_features)
+        packed = weight_buffer(numel * weight.element_size(), weight.dtype)
         self._lib.linear_bf16_pack(weight.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 
@@ -76,7 +78,7 @@ class Bf16Linear:
         if code is None or self._lib.linear_bf16_q_check(code, in_features) != 0:
             raise ValueError(f"linear_bf16 has no kernel for {fmt} weights of {in_features} inputs")
         rows = rows.detach().contiguous().view(torch.uint8)
-        packed = torch.empty(self._lib.linear_bf16_q_packed_nbytes(code, out_features, in_features), dtype=torch.uint8)
+        packed = weight_buffer(self._lib.linear_bf16_q_packed_nbytes(code, out_features, in_features))
         self._lib.linear_bf16_q_pack(code, rows.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 

@@ -20,6 +20,7 @@ import functools
 import torch
 
 from asyncpp.kernels.build import load_kernel_library
+from asyncpp.kernels.huge_pages import weight_buffer
 from asyncpp.kernels.isa import native_level
 
 # Format name -> the QL_* code in qlinear.c.
@@ -62,7 +63,7 @@ class QLinearKernel:
         raw = rows.detach().contiguous().view(torch.uint8).reshape(out_features, -1)
         if raw.shape[1] != self._lib.qlinear_source_row_bytes(FORMATS[fmt], in_features):
             raise ValueError(f"{fmt} rows of {in_features} inputs are not {raw.shape[1]} bytes")
-        packed = torch.empty(self._lib.qlinear_packed_nbytes(FORMATS[fmt], out_features, in_features), dtype=torch.uint8)
+        packed = weight_buffer(self._lib.qlinear_packed_nbytes(FORMATS[fmt], out_features, in_features))
         self._lib.qlinear_pack(FORMATS[fmt], raw.data_ptr(), out_features, in_features, packed.data_ptr())
         return packed
 
