@@ -12,7 +12,8 @@ changes: the same bytes, so the same bits.
 Tensors are bump-allocated from chunks of `CHUNK_BYTES`; a request larger than a quarter chunk
 gets a mapping of its own. A chunk is unmapped once no tensor in it (and not the allocator, which
 keeps only its current chunk) refers to it. Where huge pages do not apply (not Linux,
-`ASYNCPP_DISABLE_HUGE_PAGES=1`) `weight_buffer` is `torch.empty`.
+`ASYNCPP_DISABLE_HUGE_PAGES=1`) `weight_buffer` is `torch.empty`. `zeros` gives large zero-filled
+buffers (the KV caches) a mapping of their own the same way.
 """
 
 from __future__ import annotations
@@ -91,3 +92,16 @@ def weight_buffer(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     if not enabled():
         return torch.empty(nbytes // itemsize, dtype=dtype)
     return _ARENA.empty(nbytes).view(dtype)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled tensor on a huge-page-advised mapping of its own (a fresh anonymous mapping reads
+    as zeros, and its pages are only allocated when touched): for large buffers read all over, such as
+    KV caches. `torch.zeros` where not `enabled()` or below one huge page."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if not enabled() or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    return _Mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).take(nbytes).view(dtype).view(shape)  # type: ignore[union-attr]

@@ -129,3 +129,26 @@ def test_the_kernels_pack_into_advised_memory():
         packed.append(native.pack("bf16", torch.randn(64, 576).bfloat16(), 64, 576))
     for p in packed:
         assert "hg" in _mapping_of(p.data_ptr())["VmFlags"].split()
+
+
+@needs_smaps
+def test_zeros_are_zero_and_advised_when_large():
+    big = huge_pages.zeros((HUGE_PAGE // 128 + 3, 3, 64), torch.bfloat16)  # just over 3 MB
+    assert big.shape == (HUGE_PAGE // 128 + 3, 3, 64) and big.dtype == torch.bfloat16
+    assert big.data_ptr() % HUGE_PAGE == 0 and not big.any()
+    assert "hg" in _mapping_of(big.data_ptr())["VmFlags"].split()
+    big[-1].fill_(1.5)  # the whole extent is writable
+    assert big[-1].eq(1.5).all() and not big[:-1].any()
+    small = huge_pages.zeros((10, 3, 64), torch.float32)  # under one huge page: torch.zeros
+    assert not small.any() and small.untyped_storage().resizable()
+
+
+@needs_smaps
+def test_cpu_kv_caches_live_on_advised_memory():
+    from asyncpp.worker.kv_cache import allocate_kv_caches
+
+    caches = allocate_kv_caches(2, 2048, 16, 3, 64, torch.bfloat16)  # 12 MB a tensor
+    assert len(caches) == 2 and _ranges_disjoint([t for pair in caches for t in pair])
+    for k, v in caches:
+        assert k.shape == v.shape == (2048 * 16, 3, 64) and not k.any() and not v.any()
+        assert "hg" in _mapping_of(k.data_ptr())["VmFlags"].split()
