@@ -64,7 +64,9 @@ def test_a_full_chunk_starts_a_new_one_and_a_large_request_maps_its_own():
     assert large.data_ptr() % HUGE_PAGE == 0
     after = arena.empty(64)  # the current chunk goes on where it was
     assert after.data_ptr() == sixth.data_ptr() + 400_064
-    assert _ranges_disjoint([*small, sixth, large, after])
+    quarter = arena.empty(HUGE_PAGE // 4)  # a quarter chunk still comes from the chunk
+    assert quarter.data_ptr() == after.data_ptr() + 64
+    assert _ranges_disjoint([*small, sixth, large, after, quarter])
 
 
 def test_tensors_outlive_the_arena():
@@ -79,11 +81,15 @@ def test_tensors_outlive_the_arena():
 def test_bad_sizes_fail_clearly():
     with pytest.raises(ValueError, match="multiple of"):
         HugePageArena(chunk_bytes=HUGE_PAGE + 4096)
+    with pytest.raises(ValueError, match="multiple of"):
+        HugePageArena(chunk_bytes=0)
     with pytest.raises(ValueError, match="nbytes must be >= 0"):
         HugePageArena().empty(-1)
-    assert HugePageArena().empty(0).numel() == 0
+    empty = HugePageArena().empty(0)
+    assert empty.numel() == 0 and empty.dtype == torch.uint8
     with pytest.raises(ValueError, match="whole number of torch.bfloat16"):
         weight_buffer(3, torch.bfloat16)
+    assert weight_buffer(2, torch.bfloat16).numel() == 1
 
 
 def test_weight_buffer_views_its_bytes_as_the_dtype():
@@ -94,10 +100,14 @@ def test_weight_buffer_views_its_bytes_as_the_dtype():
 def test_disabled_by_the_environment(monkeypatch):
     monkeypatch.setenv("ASYNCPP_DISABLE_HUGE_PAGES", "1")
     assert not huge_pages.enabled()
-    t = weight_buffer(1 << 20)
+    t = weight_buffer(1 << 20, torch.bfloat16)
     assert t.untyped_storage().resizable()  # torch.empty's; the arena's views of a mapping are not
-    monkeypatch.setenv("ASYNCPP_DISABLE_HUGE_PAGES", "0")
-    assert huge_pages.enabled() == hasattr(huge_pages.mmap, "MADV_HUGEPAGE")
+    assert t.dtype == torch.bfloat16 and t.numel() == 1 << 19
+    z = huge_pages.zeros((HUGE_PAGE, 2), torch.bfloat16)
+    assert z.untyped_storage().resizable() and z.dtype == torch.bfloat16 and not z.any()
+    for on in ("0", ""):
+        monkeypatch.setenv("ASYNCPP_DISABLE_HUGE_PAGES", on)
+        assert huge_pages.enabled() == hasattr(huge_pages.mmap, "MADV_HUGEPAGE")
 
 
 @needs_smaps
@@ -139,8 +149,10 @@ def test_zeros_are_zero_and_advised_when_large():
     assert "hg" in _mapping_of(big.data_ptr())["VmFlags"].split()
     big[-1].fill_(1.5)  # the whole extent is writable
     assert big[-1].eq(1.5).all() and not big[:-1].any()
-    small = huge_pages.zeros((10, 3, 64), torch.float32)  # under one huge page: torch.zeros
-    assert not small.any() and small.untyped_storage().resizable()
+    small = huge_pages.zeros((10, 3, 64), torch.bfloat16)  # under one huge page: torch.zeros
+    assert not small.any() and small.untyped_storage().resizable() and small.dtype == torch.bfloat16
+    one = huge_pages.zeros((HUGE_PAGE // 4,), torch.float32)  # exactly one huge page: a mapping
+    assert not one.untyped_storage().resizable() and "hg" in _mapping_of(one.data_ptr())["VmFlags"].split()
 
 
 @needs_smaps
