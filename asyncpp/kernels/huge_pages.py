@@ -18,6 +18,7 @@ buffers (the KV caches) a mapping of their own the same way.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -53,6 +54,13 @@ class _Mapping:
         return torch.frombuffer(self.map, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
+def _own_mapping(nbytes: int) -> torch.Tensor:
+    """A `[nbytes]` uint8 tensor on a mapping of its own, whole huge pages (fresh: it reads as zeros)."""
+    out = _Mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).take(nbytes)
+    assert out is not None
+    return out
+
+
 class HugePageArena:
     """Bump allocator of uint8 tensors over huge-page-advised chunks (see the module doc)."""
 
@@ -69,8 +77,8 @@ class HugePageArena:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        if nbytes > self.chunk_bytes // 4:  # its own mapping, whole huge pages
-            return _Mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).take(nbytes)  # type: ignore[return-value]
+        if nbytes > self.chunk_bytes // 4:
+            return _own_mapping(nbytes)
         with self._lock:
             out = self._chunk.take(nbytes) if self._chunk is not None else None
             if out is None:
@@ -86,7 +94,7 @@ _ARENA = HugePageArena()
 def weight_buffer(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
     """An uninitialised 1-D tensor of `nbytes` bytes viewed as `dtype`, for a packed weight: on
     huge-page-advised memory where `enabled()`, else from `torch.empty`."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if nbytes % itemsize:
         raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
     if not enabled():
@@ -98,10 +106,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled tensor on a huge-page-advised mapping of its own (a fresh anonymous mapping reads
     as zeros, and its pages are only allocated when touched): for large buffers read all over, such as
     KV caches. `torch.zeros` where not `enabled()` or below one huge page."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not enabled() or nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    return _Mapping(-(-nbytes // HUGE_PAGE) * HUGE_PAGE).take(nbytes).view(dtype).view(shape)  # type: ignore[union-attr]
+    return _own_mapping(nbytes).view(dtype).view(shape)
