@@ -110,58 +110,73 @@ static inline void dp_round_weights(float *p, int64_t ctx) {
     }
 }
 
-/* value_tile_pair by vdpbf16ps, two positions at a time: row r's weights (bfloat16 pairs as 32-bit words)
- * for head g at w[r] + g * wstride + m (pair m of the tile), n[r] of the tile's values valid for it,
- * n_max the most; acc in dp_store_row's order. */
-static inline __attribute__((always_inline)) void dp_value_tile_pair(
-    const uint32_t *const w[2], int64_t wstride, const char *v_head, const int64_t off[LANES], const int n[2],
-    int n_max, const struct ahead *pf, int64_t pf_head, f32x16 *const acc[2], const int nr, const int group,
-    const int pairs) {
-    const int64_t head_bytes = (int64_t)pairs * 64;
+/* value_tile_pair by vdpbf16ps for the nr (1 or 2) rows of a pair, over their tiles [t0, t1) of one kv
+ * head, two positions at a time: row r's weights (bfloat16 pairs as 32-bit words) for head g at
+ * w[r] + g * wstride + m (pair m of its context), ctx[r] its positions; acc in dp_store_row's order. The
+ * sums stay in registers from tile t0 to t1 - 1. The K slots of `next` (NULL: none) for this kv head are
+ * requested meanwhile, tile by tile. */
+static inline __attribute__((always_inline)) void dp_value_rows(
+    const struct layer *L, const int64_t *blocks, const int64_t ctx[2], int64_t t0, int64_t t1,
+    const struct row *next, int64_t kvh, const uint32_t *const w[2], int64_t wstride, f32x16 *const acc[2],
+    const int nr, const int group, const int pairs) {
+    const int64_t head_bytes = (int64_t)pairs * 64, pf_head = kvh * L->head_bytes;
     const int chunks = 2 * pairs;
+    const char *v_head = L->v_cache + pf_head;
+    const int64_t ctx_max = nr > 1 && ctx[1] > ctx[0] ? ctx[1] : ctx[0];
+    const int64_t tiles = (ctx_max + LANES - 1) / LANES, last = t1 < tiles ? t1 : tiles;
+    const int64_t next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
+    int64_t off[LANES], next_off[LANES];
     __m512 a[2][MAX_GROUP][MAX_CHUNKS];
     for (int r = 0; r < nr; r++)
         for (int g = 0; g < group; g++)
             for (int c = 0; c < chunks; c++) a[r][g][c] = (__m512)acc[r][g * chunks + c];
-/* Row r's weights for positions j, j + 1 times the value pairs P into its sums. */
+/* Row r's weights for positions j, j + 1 of tile t times the value pairs P into its sums. */
 #define DP_VALUE_ROW(r, P)                                                                          \
     for (int g = 0; g < group; g++) {                                                               \
         uint32_t word;                                                                              \
-        memcpy(&word, w[r] + g * wstride + j / 2, sizeof word);                                     \
+        memcpy(&word, w[r] + g * wstride + t * LANES / 2 + j / 2, sizeof word);                     \
         const __m512bh wg = (__m512bh)_mm512_set1_epi32((int)word);                                 \
         for (int c = 0; c < chunks; c++) a[r][g][c] = _mm512_dpbf16_ps(a[r][g][c], (P)[c], wg);     \
     }
-    for (int j = 0; j < n_max; j += 2) {
-        if (j < pf->n) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
-        if (j + 1 < pf->n) prefetch(pf->base + pf->off[j + 1] + pf_head, head_bytes);
-        const int second = j + 1 < n_max; /* a value at position j + 1 for some row */
-        __m512i v0[MAX_CHUNKS / 2];
-        __m512bh p[MAX_CHUNKS];
-        for (int c = 0; c < pairs; c++) {
-            v0[c] = _mm512_loadu_si512(v_head + off[j] + c * 64);
-            const __m512i v1 = second ? _mm512_loadu_si512(v_head + off[j + 1] + c * 64) : _mm512_setzero_si512();
-            p[2 * c] = (__m512bh)_mm512_unpacklo_epi16(v0[c], v1);
-            p[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(v0[c], v1);
-        }
-        int any_alone = 0; /* rows whose last position is j while another row's value at j + 1 is in p */
-        for (int r = 0; r < nr; r++) {
-            if (j >= n[r] || (second && n[r] == j + 1)) {
-                any_alone |= j < n[r];
-                continue;
-            }
-            DP_VALUE_ROW(r, p);
-        }
-        if (any_alone) { /* their position j with a zero value after it, as when computed alone */
+    for (int64_t t = t0; t < last; t++) {
+        int n[2] = {0, 0};
+        for (int r = 0; r < nr; r++) n[r] = ctx[r] > t * LANES ? tile_size(ctx[r], t) : 0;
+        const int n_max = tile_size(ctx_max, t);
+        tile_offsets(L, blocks, t, n_max, off);
+        const struct ahead pf = {L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
+        if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
+        for (int j = 0; j < n_max; j += 2) {
+            if (j < pf.n) prefetch(pf.base + pf.off[j] + pf_head, head_bytes);
+            if (j + 1 < pf.n) prefetch(pf.base + pf.off[j + 1] + pf_head, head_bytes);
+            const int second = j + 1 < n_max; /* a value at position j + 1 for some row */
+            __m512i v0[MAX_CHUNKS / 2];
+            __m512bh p[MAX_CHUNKS];
             for (int c = 0; c < pairs; c++) {
-                p[2 * c] = (__m512bh)_mm512_unpacklo_epi16(v0[c], _mm512_setzero_si512());
-                p[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(v0[c], _mm512_setzero_si512());
+                v0[c] = _mm512_loadu_si512(v_head + off[j] + c * 64);
+                const __m512i v1 = second ? _mm512_loadu_si512(v_head + off[j + 1] + c * 64) : _mm512_setzero_si512();
+                p[2 * c] = (__m512bh)_mm512_unpacklo_epi16(v0[c], v1);
+                p[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(v0[c], v1);
             }
-            for (int r = 0; r < nr; r++)
-                if (n[r] == j + 1) DP_VALUE_ROW(r, p);
+            int any_alone = 0; /* rows whose last position is j while another row's value at j + 1 is in p */
+            for (int r = 0; r < nr; r++) {
+                if (j >= n[r] || (second && n[r] == j + 1)) {
+                    any_alone |= j < n[r];
+                    continue;
+                }
+                DP_VALUE_ROW(r, p);
+            }
+            if (any_alone) { /* their position j with a zero value after it, as when computed alone */
+                for (int c = 0; c < pairs; c++) {
+                    p[2 * c] = (__m512bh)_mm512_unpacklo_epi16(v0[c], _mm512_setzero_si512());
+                    p[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(v0[c], _mm512_setzero_si512());
+                }
+                for (int r = 0; r < nr; r++)
+                    if (n[r] == j + 1) DP_VALUE_ROW(r, p);
+            }
         }
+        for (int j = n_max + (n_max & 1); j < pf.n; j++) prefetch(pf.base + pf.off[j] + pf_head, head_bytes);
     }
 #undef DP_VALUE_ROW
-    for (int j = n_max + (n_max & 1); j < pf->n; j++) prefetch(pf->base + pf->off[j] + pf_head, head_bytes);
     for (int r = 0; r < nr; r++)
         for (int g = 0; g < group; g++)
             for (int c = 0; c < chunks; c++) acc[r][g * chunks + c] = (f32x16)a[r][g][c];
@@ -196,9 +211,8 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
     for (int i = 0; i < nr; i++) dp_start_row(L, &r[i], &S[i], num_heads, chunks);
     const int64_t ctx_max = group_tiles(r, nr, tiles);
     const int64_t tiles_max = (ctx_max + LANES - 1) / LANES, next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
-    int64_t off[LANES], next_off[LANES];
+    int64_t off[LANES];
     int n[DP_ROWS];
-    struct ahead pf;
     /* Pass 1: scores, the tile's keys transposed once for all rows; its V slots are requested for pass 2. */
     for (int64_t t = 0; t < tiles_max; t++) {
         const int n_max = group_tile(L, r, nr, tiles, ctx_max, t, off, n);
@@ -236,32 +250,29 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
             softmax_group(scores, S[i].stride, r[i].ctx, S[i].max_score + kvh * group, S[i].denom + kvh * group, group);
             for (int g = 0; g < group; g++) dp_round_weights(scores + g * S[i].stride, r[i].ctx);
         }
-    /* Pass 2: the weighted sums of values, two rows at a time; the K slots of the next row are requested. */
-    for (int64_t t = 0; t < tiles_max; t++) {
-        group_tile(L, r, nr, tiles, ctx_max, t, off, n);
-        pf = (struct ahead){L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
-        if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
+    /* Pass 2: the weighted sums of values, two rows at a time. One pair: tile by tile, each tile's slots for
+     * all kv heads together (decode rows: the slots come from memory). More: each pair through all its
+     * tiles of a kv head, its sums in registers throughout (a tile's sums of 16 rows did not stay in L1).
+     * The last pair requests the next row's K slots. */
+    const int64_t steps = nr > 2 ? 1 : tiles_max, step_tiles = nr > 2 ? tiles_max : 1;
+    for (int64_t step = 0; step < steps; step++)
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
             for (int i = 0; i < nr; i += 2) {
                 const int pair = nr - i < 2 ? nr - i : 2;
-                const int pn[2] = {n[i], pair > 1 ? n[i + 1] : 0};
-                const int pair_max = pn[0] > pn[1] ? pn[0] : pn[1];
+                const int64_t ctx[2] = {r[i].ctx, pair > 1 ? r[i + 1].ctx : 0}, t0 = step * step_tiles;
                 /* a head's bfloat16 weights fill the first half of its row of floats: word m of tile t at t * 8 + m */
-                const uint32_t *w[2] = {(const uint32_t *)(S[i].scores + kvh * group * S[i].stride) + t * LANES / 2,
-                                        pair > 1 ? (const uint32_t *)(S[i + 1].scores + kvh * group * S[i + 1].stride) + t * LANES / 2
+                const uint32_t *w[2] = {(const uint32_t *)(S[i].scores + kvh * group * S[i].stride),
+                                        pair > 1 ? (const uint32_t *)(S[i + 1].scores + kvh * group * S[i + 1].stride)
                                                  : NULL};
                 f32x16 *acc[2] = {S[i].acc + kvh * group * chunks, pair > 1 ? S[i + 1].acc + kvh * group * chunks : NULL};
-                const struct ahead none = {L->k_cache, next_off, 0};
-                const char *v_head = L->v_cache + kvh * L->head_bytes;
-                const struct ahead *ahead = i == 0 ? &pf : &none; /* the next row's slots: once per tile */
+                const struct row *ahead = i + pair == nr ? next : NULL;
                 if (pair == 2) /* constant: the accumulators stay in registers */
-                    dp_value_tile_pair(w, S[i].stride, v_head, off, pn, pair_max, ahead, kvh * L->head_bytes, acc, 2,
-                                       group, pairs);
+                    dp_value_rows(L, r[i].blocks, ctx, t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 2, group,
+                                  pairs);
                 else
-                    dp_value_tile_pair(w, S[i].stride, v_head, off, pn, pair_max, ahead, kvh * L->head_bytes, acc, 1,
-                                       group, pairs);
+                    dp_value_rows(L, r[i].blocks, ctx, t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 1, group,
+                                  pairs);
             }
-    }
     if (tiles_max < next_tiles) prefetch_keys(L, next, tiles_max, next_tiles);
     for (int i = 0; i < nr; i++) dp_store_row(L, &r[i], &S[i], num_heads, chunks);
 }
