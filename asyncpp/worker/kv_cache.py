@@ -2,7 +2,9 @@
 
 On CPU each tensor is a huge-page-advised mapping of its own (`kernels.huge_pages.zeros`): a decode
 step reads its requests' blocks scattered over every layer's cache, and on 4 KB pages the page walks
-cost the attention kernel about 10% (19 layers, 32 requests at contexts 67-131, Zen 4).
+cost the attention kernel about 10% (19 layers, 32 requests at contexts 67-131, Zen 4). Its pages
+are faulted in here, at start-up, as `torch.zeros` did: on a fresh VM the first touch of a huge page
+cost about 6 ms, which a new server's first prompts paid in their steps.
 """
 
 from __future__ import annotations

@@ -156,6 +156,16 @@ def test_zeros_are_zero_and_advised_when_large():
 
 
 @needs_smaps
+def test_zeros_are_resident_before_any_write():
+    """Every page of a `zeros` mapping is faulted in when it is made, not on a serving step's first write."""
+    z = huge_pages.zeros((3 * HUGE_PAGE + 4096 * 5 + 64,), torch.uint8)
+    fields = _mapping_of(z.data_ptr())
+    rss_kb = int(fields["Rss"].split()[0])
+    assert rss_kb * 1024 >= z.numel(), (rss_kb, z.numel())
+    assert not z.any()
+
+
+@needs_smaps
 def test_cpu_kv_caches_live_on_advised_memory():
     from asyncpp.worker.kv_cache import allocate_kv_caches
 
