@@ -114,20 +114,20 @@ static inline void dp_round_weights(float *p, int64_t ctx) {
     }
 }
 
-/* value_tile_pair by vdpbf16ps for the nr (1 or 2) rows of a pair, over their tiles [t0, t1) of one kv
- * head, two positions at a time: row r's weights (bfloat16 pairs as 32-bit words) for head g at
- * w[r] + g * wstride + m (pair m of its context), ctx[r] its positions; acc in dp_store_row's order. The
+/* value_tile_pair by vdpbf16ps for the nr (1 or 2) rows `rows` of a pair, over their tiles [t0, t1) of one
+ * kv head, two positions at a time: row r's weights (bfloat16 pairs as 32-bit words) for head g at
+ * w[r] + g * wstride + m (pair m of its context); acc in dp_store_row's order. The
  * sums stay in registers from tile t0 to t1 - 1. The K slots of `next` (NULL: none) for this kv head are
  * requested meanwhile, tile by tile. */
 static inline __attribute__((always_inline)) void dp_value_rows(
-    const struct layer *L, const int64_t *blocks, const int64_t ctx[2], int64_t t0, int64_t t1,
-    const struct row *next, int64_t kvh, const uint32_t *const w[2], int64_t wstride, f32x16 *const acc[2],
+    const struct layer *L, const struct row *rows, int64_t t0, int64_t t1, const struct row *next, int64_t kvh, const uint32_t *const w[2], int64_t wstride, f32x16 *const acc[2],
     const int nr, const int group, const int pairs) {
     const int64_t head_bytes = (int64_t)pairs * 64, pf_head = kvh * L->head_bytes;
     const int chunks = 2 * pairs;
     const char *v_head = L->v_cache + pf_head;
-    const int64_t ctx_max = nr > 1 && ctx[1] > ctx[0] ? ctx[1] : ctx[0];
-    const int64_t tiles = (ctx_max + LANES - 1) / LANES, last = t1 < tiles ? t1 : tiles;
+    int64_t tiles[2];
+    const int64_t ctx_max = group_tiles(rows, nr, tiles), tiles_max = (ctx_max + LANES - 1) / LANES;
+    const int64_t last = t1 < tiles_max ? t1 : tiles_max;
     const int64_t next_tiles = next ? (next->ctx + LANES - 1) / LANES : 0;
     int64_t off[LANES], next_off[LANES];
     __m512 a[2][MAX_GROUP][MAX_CHUNKS];
@@ -144,9 +144,7 @@ static inline __attribute__((always_inline)) void dp_value_rows(
     }
     for (int64_t t = t0; t < last; t++) {
         int n[2] = {0, 0};
-        for (int r = 0; r < nr; r++) n[r] = ctx[r] > t * LANES ? tile_size(ctx[r], t) : 0;
-        const int n_max = tile_size(ctx_max, t);
-        tile_offsets(L, blocks, t, n_max, off);
+        const int n_max = group_tile(L, rows, nr, tiles, ctx_max, t, off, n);
         const struct ahead pf = {L->k_cache, next_off, t < next_tiles ? tile_size(next->ctx, t) : 0};
         if (pf.n) tile_offsets(L, next->blocks, t, pf.n, next_off);
         for (int j = 0; j < n_max; j += 2) {
@@ -263,7 +261,7 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
         for (int64_t kvh = 0; kvh < L->num_kv_heads; kvh++)
             for (int i = 0; i < nr; i += 2) {
                 const int pair = nr - i < 2 ? nr - i : 2;
-                const int64_t ctx[2] = {r[i].ctx, pair > 1 ? r[i + 1].ctx : 0}, t0 = step * step_tiles;
+                const int64_t t0 = step * step_tiles;
                 /* a head's bfloat16 weights fill the first half of its row of floats: word m of tile t at t * 8 + m */
                 const uint32_t *w[2] = {(const uint32_t *)(S[i].scores + kvh * group * S[i].stride),
                                         pair > 1 ? (const uint32_t *)(S[i + 1].scores + kvh * group * S[i + 1].stride)
@@ -271,11 +269,9 @@ static inline __attribute__((always_inline)) void dp_attend(const struct layer *
                 f32x16 *acc[2] = {S[i].acc + kvh * group * chunks, pair > 1 ? S[i + 1].acc + kvh * group * chunks : NULL};
                 const struct row *ahead = i + pair == nr ? next : NULL;
                 if (pair == 2) /* constant: the accumulators stay in registers */
-                    dp_value_rows(L, r[i].blocks, ctx, t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 2, group,
-                                  pairs);
+                    dp_value_rows(L, &r[i], t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 2, group, pairs);
                 else
-                    dp_value_rows(L, r[i].blocks, ctx, t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 1, group,
-                                  pairs);
+                    dp_value_rows(L, &r[i], t0, t0 + step_tiles, ahead, kvh, w, S[i].stride, acc, 1, group, pairs);
             }
     if (tiles_max < next_tiles) prefetch_keys(L, next, tiles_max, next_tiles);
     for (int i = 0; i < nr; i++) dp_store_row(L, &r[i], &S[i], num_heads, chunks);
