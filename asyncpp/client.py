@@ -262,12 +262,14 @@ class AsyncClient:
         self._ensure_reader()
         nonce = next(self._nonces)
         fut = asyncio.get_running_loop().create_future()
-        self._replies[nonce] = fut
-        await self._put(make(nonce))
+        self._replies[nonce] = fut  # before the send: the reply may come in while it waits
         try:
+            await self._put(make(nonce))
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._replies.pop(nonce, None)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # a refusal during the send failed it too: the send's error is the one raised
 
     def close(self) -> None:
         """Close the socket; an open `generate` ends with `RequestFailedError("closed", ...)`."""

@@ -5,6 +5,7 @@ by the refused client)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -92,3 +93,29 @@ async def test_a_refused_client_fails_its_calls_even_once_zmq_dropped_its_connec
     finally:
         stranger.close()
         router.close()
+
+
+async def test_a_call_refused_while_it_sends_leaves_no_error_unretrieved():
+    """The refusal comes while the first call's request waits to be sent: it fails that call's reply
+    future too, and the call raises from the send. That future must not be left behind, failed and
+    never awaited (asyncio then logs "Future exception was never retrieved" whenever it is collected,
+    in some later test or request)."""
+    unhandled = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: unhandled.append(context["message"]))
+    router = RouterQueue("tcp://127.0.0.1:0", 1 << 20, ClientAccess("c-secret"))
+    stranger = AsyncClient(router.address, secret="wrong")
+    refusals = 0
+    try:
+        await asyncio.sleep(1.0)  # the handshake fails meanwhile; the client reads the refusal on its first call
+        for call in ("health", "stats"):  # names: a bound method would keep the client alive
+            try:  # not pytest.raises: its traceback would keep the future alive past the collection below
+                await asyncio.wait_for(getattr(stranger, call)(timeout_s=60), 20.0)
+            except ClientRefusedError:
+                refusals += 1
+    finally:
+        stranger.close()
+        router.close()
+    del stranger
+    await asyncio.sleep(0.1)  # its cancelled tasks end, and with them their hold on the client
+    gc.collect()
+    assert refusals == 2 and unhandled == []
