@@ -38,8 +38,6 @@ static inline void dp_start_row(const struct layer *L, const struct row *r, cons
     }
 }
 
-static inline __m512bh dp_load(const char *p) { return (__m512bh)_mm512_loadu_si512(p); }
-
 /* _mm512_dpbf16_ps(acc, b, the 32-bit word at p in every lane), the word read by the instruction itself
  * ({1to16}): GCC keeps a separate vpbroadcastd, one more uop per vdpbf16ps where each takes a word of its
  * own (a register-resident loop of 12 sums: 101 GMAC/s, 115 with it, Zen 4). The same operation. */
@@ -116,12 +114,12 @@ static inline void dp_round_weights(float *p, int64_t ctx) {
 
 /* value_tile_pair by vdpbf16ps for the nr (1 or 2) rows `rows` of a pair, over their tiles [t0, t1) of one
  * kv head, two positions at a time: row r's weights (bfloat16 pairs as 32-bit words) for head g at
- * w[r] + g * wstride + m (pair m of its context); acc in dp_store_row's order. The
- * sums stay in registers from tile t0 to t1 - 1. The K slots of `next` (NULL: none) for this kv head are
- * requested meanwhile, tile by tile. */
+ * w[r] + g * wstride + m (pair m of its context); acc in dp_store_row's order. The sums stay in registers
+ * from tile t0 to t1 - 1. The K slots of `next` (NULL: none) for this kv head are requested meanwhile,
+ * tile by tile. */
 static inline __attribute__((always_inline)) void dp_value_rows(
-    const struct layer *L, const struct row *rows, int64_t t0, int64_t t1, const struct row *next, int64_t kvh, const uint32_t *const w[2], int64_t wstride, f32x16 *const acc[2],
-    const int nr, const int group, const int pairs) {
+    const struct layer *L, const struct row *rows, int64_t t0, int64_t t1, const struct row *next, int64_t kvh,
+    const uint32_t *const w[2], int64_t wstride, f32x16 *const acc[2], const int nr, const int group, const int pairs) {
     const int64_t head_bytes = (int64_t)pairs * 64, pf_head = kvh * L->head_bytes;
     const int chunks = 2 * pairs;
     const char *v_head = L->v_cache + pf_head;
