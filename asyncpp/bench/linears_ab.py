@@ -1,12 +1,13 @@
 """Versions of the bfloat16 linear kernel against each other, in one process, pass by pass.
 
-    python -m asyncpp.bench.linears_ab --rows 24,64,256 [--fma] TREE [TREE ...]
+    python -m asyncpp.bench.linears_ab --rows 24,64,256 [--fma] [--formats q8_0] TREE [TREE ...]
 
 Each TREE is a checkout of asyncpp; its `asyncpp/kernels/linear_bf16.c` (with the headers beside it) is
 compiled for level `avx512_bf16` and loaded next to the others. Every repetition runs one pass over all
 the model's linears (`bench.linears`) with each version in turn, so a slow spell of a shared machine
 falls on all of them alike; printed: GMAC/s best and median per version and row count, and each
-version's median time as a ratio to the first's. `--fma` forces the float32 FMA path (the same bits).
+version's median time as a ratio to the first's. `--fma` forces the float32 FMA path (the same bits);
+`--formats` keeps the linears of those GGUF formats only (SmolLM2: `q8_0` is the lm_head alone).
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="24,64,256")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--fma", action="store_true", help="the float32 FMA path instead of vdpbf16ps")
+    ap.add_argument("--formats", default="", help="only the linears of these formats, comma-separated (q8_0, q4_1)")
     ns = ap.parse_args(argv)
     torch.set_num_threads(1)
     linears = [_stack(parts) for parts in _linears()]
+    if ns.formats:
+        formats = ns.formats.split(",")
+        linears = [w for w in linears if w.format in formats]
+        if not linears:
+            ap.error(f"no linear of the model is in {formats}")
     macs = sum(w.shape[0] * w.shape[1] for w in linears)
     with tempfile.TemporaryDirectory() as tmp:
         built: dict[Path, Bf16NativeKernel] = {}  # a tree named twice (a noise check) is built once

@@ -282,8 +282,8 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
 /* ---- Many rows: a BLOCK's q expanded once ----
  *
  * Streaming tiles each expand the q of the BLOCK they stream, so 40 rows (5 Q4 tiles) expand every
- * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more than
- * QE_MIN_ROWS rows, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB
+ * weight 5 times, and a Q4 tile of 8 rows feeds one panel per broadcast of x. With more than QE_MIN_ROWS_Q8
+ * (Q4: QE_MIN_ROWS_Q4) rows, a thread instead expands its BLOCK once into a buffer of dpbf16 operands ([NB
  * panels][k / 2 pairs] zmm, the float path's layout: 72 KB for k = 576, L2-resident) with d and m widened to float32
  * ([k / 32][NB][16] each), then runs tiles of up to 6 rows over it, 2 panels at a time: 12 zmm of partial
  * sums and 12 of sums, all in registers, 2 weight loads and 6 broadcasts per 12 dpbf16. (4 panels at a
@@ -295,12 +295,14 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
 
 #define QE_TILE_ROWS 6
 #define QE_PANELS 2 /* panels per pass of a tile: 12 partial sums and 12 sums in registers */
-/* Fewer rows stream: with 2 streaming tiles (9-16 Q8_0 rows) the expansion pass costs more than the second
- * tile's own expansion (Q4 then: 9 rows 0.73x, 16: 1.0x, 24: 1.13x on Zen 4). Q4 tiles of 5-6 rows
+/* Fewer rows stream. Q8_0 tiles of up to 16 rows expand a vector in 5 conversions per up to 16 dpbf16,
+ * and the expansion pass costs more than that up to about 64 rows: SmolLM2's lm_head (49152 x 576)
+ * streamed in 0.80-0.98x the expanded path's time at 17-64 rows, 1.01x at 80 and 1.03x at 96 (Zen 4,
+ * `python -m asyncpp.bench.linears_ab --formats q8_0`). Q4 tiles of 5-6 rows
  * with their sums in registers expand a vector in 2 shuffles per 10-12 dpbf16, cheaper than writing it
  * to the buffer and reading it back, up to about 100 rows: over a stage's Q4_1 linears on weights in
  * DRAM (2 MB pages), 0.90-0.97x the expanded path's time at 24-96 rows, 0.96-1.11x from 104 (Zen 4). */
-#define QE_MIN_ROWS 16
+#define QE_MIN_ROWS_Q8 64
 #define QE_MIN_ROWS_Q4 96
 
 struct qb_expanded {

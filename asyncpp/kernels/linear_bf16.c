@@ -198,9 +198,9 @@ static int linear_bf16_q_rows(int fmt, const uint16_t *x, int64_t ldx, int64_t m
 #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_blocks > 1)
     {
         const unsigned csr = csr_enter();
-        /* More than QE_MIN_ROWS (Q4: QE_MIN_ROWS_Q4) rows: expand each BLOCK once (without the buffer:
+        /* More than QE_MIN_ROWS_Q8 (Q4: QE_MIN_ROWS_Q4) rows: expand each BLOCK once (without the buffer:
          * stream, the same bits). */
-        const int64_t min_rows = fmt == QB_Q8_0 ? QE_MIN_ROWS : QE_MIN_ROWS_Q4;
+        const int64_t min_rows = fmt == QB_Q8_0 ? QE_MIN_ROWS_Q8 : QE_MIN_ROWS_Q4;
         struct qb_expanded e = m > min_rows ? qb_expanded_alloc(k) : (struct qb_expanded){NULL, NULL, NULL};
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < num_blocks; b++) {

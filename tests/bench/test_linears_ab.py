@@ -28,3 +28,27 @@ def test_two_versions_are_timed_against_the_first(capsys, monkeypatch):
     assert all(" GMAC/s" in line and str(root) in line for line in lines)
     rates = [float(line.split(key)[1].split()[0]) for line in lines for key in (" best ", " median ")]
     assert all(1.0 < r < 1000.0 for r in rates)  # multiply-accumulates per second, not a ratio of them
+
+
+def test_formats_keeps_the_linears_of_those_formats_only(capsys, monkeypatch):
+    from asyncpp.bench import linears_ab
+
+    root = Path(__file__).resolve().parents[2]
+    all_linears = linears_ab._linears
+    # A Q4_1 linear and the Q8_0 head.
+    monkeypatch.setattr(linears_ab, "_linears", lambda: [all_linears()[0], all_linears()[-1]])
+    formats = []
+    load = linears_ab.load_version
+
+    def spied(*args):
+        kernel = load(*args)
+        linear = kernel.linear
+        kernel.linear = lambda fmt, *a, **kw: formats.append(fmt) or linear(fmt, *a, **kw)
+        return kernel
+
+    monkeypatch.setattr(linears_ab, "load_version", spied)
+    assert linears_ab.main([str(root), "--rows", "2", "--repeats", "1", "--formats", "q8_0"]) == 0
+    assert formats and set(formats) == {"q8_0"}
+    with pytest.raises(SystemExit):
+        linears_ab.main([str(root), "--rows", "2", "--repeats", "1", "--formats", "q5_k"])
+    assert "no linear of the model is in ['q5_k']" in capsys.readouterr().err

@@ -130,9 +130,9 @@ def test_gguf_blocks_equal_bfloat16_inputs_times_the_exact_weights(kernel, fmt, 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
 def test_gguf_block_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, fmt):
     """Every tile shape (streaming, Q4: 1-8 rows, Q8_0: 1-16, 1 to 4 panels at once, acc in registers
-    or memory; Q4 batches of 9-96 rows: streaming tiles of 5-6 rows, acc in registers; more rows: a
-    BLOCK expanded once, tiles of 4-6 rows) and thread count gives a row the same bits (the 100 rows
-    at once take the expanded path for every format)."""
+    or memory; Q4 batches of 9-96 rows: streaming tiles of 5-6 rows, acc in registers; Q8_0 batches of
+    17-64: streaming tiles of up to 16; more rows: a BLOCK expanded once, tiles of 4-6 rows) and thread
+    count gives a row the same bits (the 100 rows at once take the expanded path for every format)."""
     for out_features, in_features in GGUF_SHAPES:
         raw, _ = _gguf_case(fmt, out_features, in_features, seed=out_features)
         packed = kernel.pack_blocks(fmt, raw, out_features, in_features)
@@ -140,7 +140,7 @@ def test_gguf_block_rows_do_not_depend_on_the_batch_or_threads(kernel, threads, 
         torch.set_num_threads(1)
         whole = kernel.linear_blocks(fmt, x, packed, out_features)
         torch.set_num_threads(threads)
-        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 96):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 48, 96):
             batched = torch.cat([kernel.linear_blocks(fmt, x[s : s + rows], packed, out_features) for s in range(0, 100, rows)])
             differing = int((batched != whole).any(dim=1).sum())
             assert differing == 0, f"{differing} rows change {rows} at a time, {threads} threads, {out_features}x{in_features}"
