@@ -37,18 +37,29 @@ def test_formats_keeps_the_linears_of_those_formats_only(capsys, monkeypatch):
     all_linears = linears_ab._linears
     # A Q4_1 linear and the Q8_0 head.
     monkeypatch.setattr(linears_ab, "_linears", lambda: [all_linears()[0], all_linears()[-1]])
-    formats = []
+    head = all_linears()[-1][0]
+    formats, built = [], []
     load = linears_ab.load_version
 
     def spied(*args):
         kernel = load(*args)
         linear = kernel.linear
         kernel.linear = lambda fmt, *a, **kw: formats.append(fmt) or linear(fmt, *a, **kw)
+        built.append(kernel)
         return kernel
 
     monkeypatch.setattr(linears_ab, "load_version", spied)
-    assert linears_ab.main([str(root), "--rows", "2", "--repeats", "1", "--formats", "q8_0"]) == 0
-    assert formats and set(formats) == {"q8_0"}
+    clock = iter(range(1_000_000))  # every reading one second after the last: each pass takes 1 s
+    monkeypatch.setattr(linears_ab.time, "perf_counter", lambda: float(next(clock)))
+    argv = [str(root), "--rows", "2,3", "--repeats", "2", "--formats", "q5_k,q8_0"]
+    assert linears_ab.main(argv) == 0
+    assert formats == ["q8_0"] * 2 * 3  # the head alone, a warm-up pass and 2 repeats per row count
+    assert built[0].kernel.fma_min_rows() == (None, None)  # without --fma: vdpbf16ps at every row count
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rows")]
+    assert [line.split()[1] for line in lines] == ["2", "3"]
+    macs = head.shape[0] * head.shape[1]
+    for line, rows in zip(lines, (2, 3)):
+        assert f"best {macs * rows / 1e9:6.1f} median {macs * rows / 1e9:6.1f} GMAC/s" in line
     with pytest.raises(SystemExit):
         linears_ab.main([str(root), "--rows", "2", "--repeats", "1", "--formats", "q5_k"])
     assert "no linear of the model is in ['q5_k']" in capsys.readouterr().err
