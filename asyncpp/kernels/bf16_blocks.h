@@ -298,10 +298,10 @@ static void qb_block_sums(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, 
 /* Fewer rows stream. Q8_0 tiles of up to 16 rows expand a vector in 5 conversions per up to 16 dpbf16,
  * and the expansion pass costs more than that up to about 64 rows: SmolLM2's lm_head (49152 x 576)
  * streamed in 0.80-0.98x the expanded path's time at 17-64 rows, 1.01x at 80 and 1.03x at 96 (Zen 4,
- * `python -m asyncpp.bench.linears_ab --formats q8_0`). Q4 tiles of 5-6 rows
- * with their sums in registers expand a vector in 2 shuffles per 10-12 dpbf16, cheaper than writing it
- * to the buffer and reading it back, up to about 100 rows: over a stage's Q4_1 linears on weights in
- * DRAM (2 MB pages), 0.90-0.97x the expanded path's time at 24-96 rows, 0.96-1.11x from 104 (Zen 4). */
+ * `python -m asyncpp.bench.linears_ab --formats q8_0`). Q4 tiles of 5-6 rows with their sums in
+ * registers expand a vector in 2 shuffles per 10-12 dpbf16, cheaper than writing it to the buffer and
+ * reading it back, up to about 100 rows: over a stage's Q4_1 linears on weights in DRAM (2 MB pages),
+ * 0.90-0.97x the expanded path's time at 24-96 rows, 0.96-1.11x from 104 (Zen 4). */
 #define QE_MIN_ROWS_Q8 64
 #define QE_MIN_ROWS_Q4 96
 

@@ -34,10 +34,10 @@ def test_formats_keeps_the_linears_of_those_formats_only(capsys, monkeypatch):
     from asyncpp.bench import linears_ab
 
     root = Path(__file__).resolve().parents[2]
-    all_linears = linears_ab._linears
-    # A Q4_1 linear and the Q8_0 head.
-    monkeypatch.setattr(linears_ab, "_linears", lambda: [all_linears()[0], all_linears()[-1]])
-    head = all_linears()[-1][0]
+    every = linears_ab._linears()
+    picked = [every[0], every[-1]]  # a Q4_1 linear and the Q8_0 head, loaded once
+    monkeypatch.setattr(linears_ab, "_linears", lambda: picked)
+    head = picked[-1][0]
     formats, built = [], []
     load = linears_ab.load_version
 
