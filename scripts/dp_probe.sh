@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# usage: scripts/dp_probe.sh [OUT_DIR]      (default OUT_DIR: bench_results/dp-probe-<date>)
+#
+# A probe of data parallelism on a CPU, not a deployment asyncpp has: the default deployment
+# (configs/default.toml, two pipeline stages) against two one-stage engines ("dp2"), each bound to one
+# of the first two CPUs with `taskset` (its engine, HTTP front end and stage alike) and serving on its own
+# HTTP port, with every workload split in halves between them: two clients at half the concurrency and
+# half the prompts each, at once (concurrency 1 goes to the first engine alone). vLLM is measured too when
+# it answers on $VLLM_URL (start it with ../shared/peers/start-vllm.sh). Workloads as in
+# scripts/cpu_vs_peers.sh (its seeds, its `load.py`): concurrency 1, 16 and 64 (64 random words in, 64
+# tokens out) and "long" (1000 words in, 16 out, concurrency 4). Rounds are interleaved (ROUNDS=3).
+# A split run's output tok/s is both halves' tokens over the longer half's duration, its mean TTFT and
+# TPOT are over all requests, and its p99 TTFT is the larger half's (so never flattered). Without a
+# router in front, this is what a data-parallel deployment could reach, less the router's own hop.
+#
+# env: PEERS (default ../shared/peers next to this checkout), PY=python, ROUNDS=3, VLLM_URL
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/peers}
+OUT=${1:-$ROOT/bench_results/dp-probe-$(date +%Y%m%d-%H%M)}
+PY=${PY:-python}
+ROUNDS=${ROUNDS:-3}
+VLLM_URL=${VLLM_URL:-http://127.0.0.1:8100}
+mkdir -p "$OUT"
+lscpu > "$OUT/cpu.txt"
+for half in a b; do  # one stage, its own client port
+  port=$([ $half = a ] && echo 5561 || echo 5562)
+  sed -e 's/^pp_size = 2/pp_size = 1/' -e "s/^port = 5557/port = $port/" "$ROOT/configs/default.toml" > "$OUT/dp2-$half.toml"
+done
+
+load() {  # load FILE URL CONC PROMPTS WORKLOAD ROUND SEED_OFFSET
+  local words=64 tokens=64 base=$5
+  if [ "$5" = long ]; then words=1000; tokens=16; base=7; fi
+  local seed=$(( base + 1000 * ($6 - 1) + $7 ))
+  "$PY" "$PEERS/load.py" --base-url "$2" --model auto --label "$(basename "$1" .json)" --quiet --num-prompts "$4" \
+    --max-concurrency "$3" --input-words "$words" --max-tokens "$tokens" --seed "$seed" --json-out "$1" >/dev/null
+}
+shape() { case $1 in 1) echo "1 16";; 16) echo "16 64";; 64) echo "64 128";; long) echo "4 16";; esac; }  # concurrency, prompts
+wait_health() { for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 1; done; return 1; }
+stop_launch() { pkill -INT -f "asyncpp.launch --config $1" || true; for _ in $(seq 1 30); do pgrep -f "asyncpp.launch --config $1" >/dev/null || break; sleep 1; done; }
+
+for r in $(seq 1 "$ROUNDS"); do
+  echo "== round $r"
+  if curl -sf "$VLLM_URL/health" >/dev/null 2>&1; then
+    for w in 1 16 64 long; do read -r c n <<< "$(shape $w)"; load "$OUT/vllm-c$w-r$r.json" "$VLLM_URL" "$c" "$n" "$w" "$r" 0; done
+  fi
+  (cd "$ROOT" && setsid "$PY" -m asyncpp.launch --config configs/default.toml --http-port 8300 >"$OUT/pp2-r$r.log" 2>&1 &)
+  wait_health http://127.0.0.1:8300
+  for w in 1 16 64 long; do read -r c n <<< "$(shape $w)"; load "$OUT/pp2-c$w-r$r.json" http://127.0.0.1:8300 "$c" "$n" "$w" "$r" 0; done
+  stop_launch configs/default.toml
+  (cd "$ROOT" && setsid taskset -c 0 "$PY" -m asyncpp.launch --config "$OUT/dp2-a.toml" --http-port 8301 >"$OUT/dp2-a-r$r.log" 2>&1 &)
+  (cd "$ROOT" && setsid taskset -c 1 "$PY" -m asyncpp.launch --config "$OUT/dp2-b.toml" --http-port 8302 >"$OUT/dp2-b-r$r.log" 2>&1 &)
+  wait_health http://127.0.0.1:8301 && wait_health http://127.0.0.1:8302
+  for w in 1 16 64 long; do
+    read -r c n <<< "$(shape $w)"
+    if [ "$c" = 1 ]; then load "$OUT/dp2-c$w-r$r-a.json" http://127.0.0.1:8301 1 "$n" "$w" "$r" 0; continue; fi
+    load "$OUT/dp2-c$w-r$r-a.json" http://127.0.0.1:8301 $((c / 2)) $((n / 2)) "$w" "$r" 0 &
+    load "$OUT/dp2-c$w-r$r-b.json" http://127.0.0.1:8302 $((c / 2)) $((n / 2)) "$w" "$r" 500
+    wait
+  done
+  stop_launch "$OUT/dp2-a.toml"; stop_launch "$OUT/dp2-b.toml"
+done
+
+"$PY" - "$OUT" "$ROUNDS" <<'PY' | tee "$OUT/table.md"
+import glob, json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def run(server, w, r):
+    parts = [json.load(open(f)) for f in sorted(glob.glob(f"{out}/{server}-c{w}-r{r}*.json"))]
+    if not parts:
+        return None
+    n = sum(p["completed"] for p in parts)
+    return {"tok_s": sum(p["output_tok_s"] * p["duration_s"] for p in parts) / max(p["duration_s"] for p in parts),
+            "tpot": sum(p["tpot_ms_mean"] * p["completed"] for p in parts) / n,
+            "ttft": sum(p["ttft_ms_mean"] * p["completed"] for p in parts) / n,
+            "p99": max(p["ttft_ms_p99"] for p in parts)}
+print("| server | workload | per round: output tok/s (mean TPOT ms; long: mean / p99 TTFT ms) |\n| --- | --- | --- |")
+for server in ("vllm", "pp2", "dp2"):
+    for w in ("1", "16", "64", "long"):
+        runs = [run(server, w, r) for r in range(1, rounds + 1)]
+        if all(x is None for x in runs):
+            continue
+        cell = lambda x: "-" if x is None else (f"{x['ttft']:.0f} / {x['p99']:.0f}" if w == "long" else f"{x['tok_s']:.1f} ({x['tpot']:.2f})")
+        print(f"| {server} | {'c' + w if w != 'long' else w} | {', '.join(cell(x) for x in runs)} |")
+print("\n| ratio, per round | median |\n| --- | --- |")
+def ratios(label, num, den, key):
+    xs = [a[key] / b[key] for r in range(1, rounds + 1) if (a := run(num[0], num[1], r)) and (b := run(den[0], den[1], r))]
+    if xs:
+        print(f"| {label}: {', '.join(f'{x:.2f}x' for x in xs)} | {statistics.median(xs):.2f}x |")
+for w in ("16", "64"):
+    ratios(f"c{w} output, dp2 / pp2", ("dp2", w), ("pp2", w), "tok_s")
+    ratios(f"c{w} output, dp2 / vLLM", ("dp2", w), ("vllm", w), "tok_s")
+    ratios(f"c{w} output, pp2 / vLLM", ("pp2", w), ("vllm", w), "tok_s")
+ratios("c1 TPOT, dp2 / pp2", ("dp2", "1"), ("pp2", "1"), "tpot")
+for key, name in (("ttft", "mean"), ("p99", "p99")):
+    ratios(f"long {name} TTFT, dp2 / vLLM", ("dp2", "long"), ("vllm", "long"), key)
+    ratios(f"long {name} TTFT, pp2 / vLLM", ("pp2", "long"), ("vllm", "long"), key)
+PY
