@@ -9,9 +9,9 @@
 # measured too when it answers on $VLLM_URL (start it with ../shared/peers/start-vllm.sh). Workloads as in
 # scripts/cpu_vs_peers.sh (its seeds, its `load.py`): concurrency 1, 16 and 64 (64 random words in, 64
 # tokens out) and "long" (1000 words in, 16 out, concurrency 4). Rounds are interleaved (ROUNDS=3).
-# A split run's output tok/s is both halves' tokens over the longer half's duration, its mean TTFT and
-# TPOT are over all requests, and its p99 TTFT is the larger half's (so never flattered). Without a
-# router in front, this is what a data-parallel deployment could reach, less the router's own hop.
+# `python -m asyncpp.bench.dp_probe_table OUT_DIR` tables the JSON files (again later too), a split run
+# counted as one. Without a router in front, this is what a data-parallel deployment could reach, less
+# the router's own hop.
 #
 # env: PEERS (default ../shared/peers next to this checkout), PY=python, ROUNDS=3, VLLM_URL
 set -euo pipefail
@@ -60,47 +60,13 @@ for r in $(seq 1 "$ROUNDS"); do
   wait_health http://127.0.0.1:8302 "$OUT/dp2-b-r$r.log"
   for w in 1 16 64 long; do
     read -r c n <<< "$(shape $w)"
-    if [ "$c" = 1 ]; then load "$OUT/dp2-c$w-r$r-a.json" http://127.0.0.1:8301 1 "$n" "$w" "$r" 0; continue; fi
-    load "$OUT/dp2-c$w-r$r-a.json" http://127.0.0.1:8301 $((c / 2)) $((n / 2)) "$w" "$r" 0 &
+    if [ "$c" = 1 ]; then load "$OUT/dp2a-c$w-r$r.json" http://127.0.0.1:8301 1 "$n" "$w" "$r" 0; continue; fi
+    load "$OUT/dp2a-c$w-r$r.json" http://127.0.0.1:8301 $((c / 2)) $((n / 2)) "$w" "$r" 0 &
     first=$!
-    load "$OUT/dp2-c$w-r$r-b.json" http://127.0.0.1:8302 $((c / 2)) $((n / 2)) "$w" "$r" 500
+    load "$OUT/dp2b-c$w-r$r.json" http://127.0.0.1:8302 $((c / 2)) $((n / 2)) "$w" "$r" 500
     wait "$first"  # its status: a failed half stops the probe
   done
   stop_launch "$OUT/dp2-a.toml"; stop_launch "$OUT/dp2-b.toml"
 done
 
-"$PY" - "$OUT" "$ROUNDS" <<'PY' | tee "$OUT/table.md"
-import glob, json, statistics, sys
-out, rounds = sys.argv[1], int(sys.argv[2])
-def run(server, w, r):
-    names = glob.glob(f"{out}/{server}-c{w}-r{r}.json") + glob.glob(f"{out}/{server}-c{w}-r{r}-[ab].json")
-    parts = [json.load(open(f)) for f in sorted(names)]
-    if not parts:
-        return None
-    n = sum(p["completed"] for p in parts)
-    return {"tok_s": sum(p["output_tok_s"] * p["duration_s"] for p in parts) / max(p["duration_s"] for p in parts),
-            "tpot": sum(p["tpot_ms_mean"] * p["completed"] for p in parts) / n,
-            "ttft": sum(p["ttft_ms_mean"] * p["completed"] for p in parts) / n,
-            "p99": max(p["ttft_ms_p99"] for p in parts)}
-print("| server | workload | per round: output tok/s (mean TPOT ms; long: mean / p99 TTFT ms) |\n| --- | --- | --- |")
-for server in ("vllm", "pp2", "dp2"):
-    for w in ("1", "16", "64", "long"):
-        runs = [run(server, w, r) for r in range(1, rounds + 1)]
-        if all(x is None for x in runs):
-            continue
-        cell = lambda x: "-" if x is None else (f"{x['ttft']:.0f} / {x['p99']:.0f}" if w == "long" else f"{x['tok_s']:.1f} ({x['tpot']:.2f})")
-        print(f"| {server} | {'c' + w if w != 'long' else w} | {', '.join(cell(x) for x in runs)} |")
-print("\n| ratio, per round | median |\n| --- | --- |")
-def ratios(label, num, den, key):
-    xs = [a[key] / b[key] for r in range(1, rounds + 1) if (a := run(num[0], num[1], r)) and (b := run(den[0], den[1], r))]
-    if xs:
-        print(f"| {label}: {', '.join(f'{x:.2f}x' for x in xs)} | {statistics.median(xs):.2f}x |")
-for w in ("16", "64"):
-    ratios(f"c{w} output, dp2 / pp2", ("dp2", w), ("pp2", w), "tok_s")
-    ratios(f"c{w} output, dp2 / vLLM", ("dp2", w), ("vllm", w), "tok_s")
-    ratios(f"c{w} output, pp2 / vLLM", ("pp2", w), ("vllm", w), "tok_s")
-ratios("c1 TPOT, dp2 / pp2", ("dp2", "1"), ("pp2", "1"), "tpot")
-for key, name in (("ttft", "mean"), ("p99", "p99")):
-    ratios(f"long {name} TTFT, dp2 / vLLM", ("dp2", "long"), ("vllm", "long"), key)
-    ratios(f"long {name} TTFT, pp2 / vLLM", ("pp2", "long"), ("vllm", "long"), key)
-PY
+"$PY" -m asyncpp.bench.dp_probe_table "$OUT"  # the tables (asyncpp/bench/dp_probe_table.py), also in OUT/table.md
