@@ -88,6 +88,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     pp_size: int = 1  # pipeline stages, one process each
+    # Data parallelism: this many engines (replicas, each with pp_size stages) behind one router
+    # that sends each request to the least loaded (`asyncpp.dp`); 1 = one engine.
+    dp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
     # CPU: a lone cohort's steps run with every stage's threads (pp_size * num_threads) where
@@ -133,6 +136,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _positive("parallel.pp_size", self.pp_size)
+        _positive("parallel.dp_size", self.dp_size)
         if self.token_handoff not in _TOKEN_HANDOFFS:
             raise ConfigError(f"parallel.token_handoff must be one of {_TOKEN_HANDOFFS}, got {self.token_handoff!r}")
         if self.backend not in _BACKENDS:

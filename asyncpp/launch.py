@@ -263,6 +263,10 @@ def launch_namespace(config_path: str, log_format: str = "console", log_level: s
 def serve(config: EngineConfig, ns: argparse.Namespace) -> int:
     """Log as `ns` says and serve `config` until stopped: the exit code (2: a bad setting found at start-up)."""
     configure_logging(ns.log_format, ns.log_level, ns.log_file)
+    if config.parallel.dp_size > 1:  # data parallelism: replicas of this engine behind a router
+        from asyncpp.dp.deploy import main as dp_main
+
+        return dp_main(config, ns)
     try:
         return uvloop.run(run(config, ns))
     except ConfigError as e:  # found at start-up (a KV connector name, an unwritable store, its handshakes)

@@ -10,8 +10,9 @@ OUT_DIR/table.md:
 - the long-prompt workload: mean and p99 TTFT and total tok/s per server;
 - per round, each of issue #54's targets as a ratio: c1 TPOT over
   llama.cpp's, c16 and c64 output over the round's faster peer, long-prompt
-  mean and p99 TTFT over the faster peer's (the lower); then the one-stage
-  deployment over the default (item 4: which one wins, by workload).
+  mean and p99 TTFT over the faster peer's (the lower); then each other
+  deployment (one stage with two threads, two one-stage replicas) over the
+  default (item 4: which one wins, by workload) and over the faster peer.
 
 A ratio is taken within a round, so that a slow spell of the shared machine
 falls on both sides of it; a round missing either side is left out.
@@ -25,10 +26,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1")
+SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1", "asyncpp-dp2")
 PEERS = ("llamacpp", "vllm-float32", "vllm-bfloat16")
 CONCURRENCIES = (1, 16, 64)
-DEFAULT, ONE_STAGE = "asyncpp-auto", "asyncpp-pp1"
+DEFAULT = "asyncpp-auto"
+# The other deployments of the same model, each against the default (item 4: which one wins, by workload).
+ALTERNATIVES = (("asyncpp-pp1", "one stage"), ("asyncpp-dp2", "two replicas"))
 
 Rounds = dict[int, dict]  # round -> that round's load.py result
 TPOT, OUTPUT, TTFT, P99 = "tpot_ms_mean", "output_tok_s", "ttft_ms_mean", "ttft_ms_p99"
@@ -93,18 +96,24 @@ def target_rows(results: dict[tuple[str, int], Rounds], long: dict[str, Rounds])
     peers = {c: [results[p, c] for p in PEERS] for c in CONCURRENCIES}
     long_peers = [long[p] for p in PEERS]
     mine = {c: results[DEFAULT, c] for c in CONCURRENCIES}
-    one = {c: results[ONE_STAGE, c] for c in CONCURRENCIES}
     targets = [
         ("c1: TPOT / llama.cpp's (target: at most 1)", per_round(mine[1], [results["llamacpp", 1]], TPOT, min)),
         ("c16: output / the faster peer's (target: 1.3)", per_round(mine[16], peers[16], OUTPUT, max)),
         ("c64: output / the faster peer's (target: 1.3)", per_round(mine[64], peers[64], OUTPUT, max)),
         ("long: mean TTFT / the faster peer's (target: at most 1)", per_round(long[DEFAULT], long_peers, TTFT, min)),
         ("long: p99 TTFT / the faster peer's (target: at most 1)", per_round(long[DEFAULT], long_peers, P99, min)),
-        ("one stage / default: c1 TPOT", per_round(one[1], [mine[1]], TPOT, min)),
-        ("one stage / default: c16 output", per_round(one[16], [mine[16]], OUTPUT, max)),
-        ("one stage / default: c64 output", per_round(one[64], [mine[64]], OUTPUT, max)),
-        ("one stage / default: long mean TTFT", per_round(long[ONE_STAGE], [long[DEFAULT]], TTFT, min)),
     ]
+    for name, label in ALTERNATIVES:
+        other = {c: results[name, c] for c in CONCURRENCIES}
+        targets += [
+            (f"{label} / default: c1 TPOT", per_round(other[1], [mine[1]], TPOT, min)),
+            (f"{label} / default: c16 output", per_round(other[16], [mine[16]], OUTPUT, max)),
+            (f"{label} / default: c64 output", per_round(other[64], [mine[64]], OUTPUT, max)),
+            (f"{label} / default: long mean TTFT", per_round(long[name], [long[DEFAULT]], TTFT, min)),
+            (f"{label} / the faster peer: c16 output", per_round(other[16], peers[16], OUTPUT, max)),
+            (f"{label} / the faster peer: c64 output", per_round(other[64], peers[64], OUTPUT, max)),
+            (f"{label} / the faster peer: long mean TTFT", per_round(long[name], long_peers, TTFT, min)),
+        ]
     rows = ["| per round | median [range] | rounds |", "| --- | ---: | --- |"]
     for label, ratios in targets:
         if ratios:
@@ -123,7 +132,9 @@ def tables(out: Path) -> str:
         head = "long prompts (1000 words in, 16 out, concurrency 4): TTFT mean, p99 (ms), total tok/s; median of rounds:"
         parts += ["", head, *rows]
     if rows := target_rows(results, long):
-        parts += ["", "asyncpp's default against the targets, and one stage with two threads against it:", *rows]
+        head = ("asyncpp's default against the targets; one stage with two threads, and two one-stage replicas, "
+                "against it and the peers:")  # fmt: skip
+        parts += ["", head, *rows]
     return "\n".join(parts) + "\n"
 
 

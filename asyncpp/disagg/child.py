@@ -1,4 +1,4 @@
-"""`EngineChild`: one engine of a prefill/decode deployment, a child `python -m asyncpp.launch`.
+"""`EngineChild`: one engine of a deployment of several (prefill/decode, data parallel), a child `python -m asyncpp.launch`.
 
 The child runs in its own session, so a Ctrl-C in the terminal reaches only
 the launcher, which stops the children in order; the kernel sends it SIGTERM
@@ -7,7 +7,8 @@ stages). It may be bound to a set of CPUs, which its stages inherit (and pin
 their threads within). Its stderr is forwarded line by line, prefixed with
 its role on the console; its ready line ("asyncpp ready: clients connect to
 ADDRESS") is read for the address and kept back, so that whoever reads the
-launcher's output sees only the router's. Stopping it is SIGTERM (it drains
+launcher's output sees only the router's (which may repeat what follows the
+address, `ready_detail`). Stopping it is SIGTERM (it drains
 within its grace period), then SIGKILL to its whole process group.
 """
 
@@ -21,11 +22,12 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 from asyncpp.logging import get_logger
 from asyncpp.runtime.parent_death import preexec_dying_with_parent
 
-READY_RE = re.compile(r"asyncpp ready: clients connect to (\S+)")
+READY_RE = re.compile(r"asyncpp ready: clients connect to (\S+)(?: \((.*)\))?")
 NUM_TAIL_LINES = 40
 MAX_LINE_BYTES = 1 << 20  # a longer log line ends the forwarding (asyncio's default is 64 KiB)
 
@@ -37,7 +39,10 @@ class EngineStartError(RuntimeError):
 
 
 class EngineChild:
-    def __init__(self, role: str, args: list[str], *, cpus: tuple[int, ...] | None = None, prefix_output: bool = True) -> None:
+    def __init__(
+        self, role: str, args: list[str], *, cpus: tuple[int, ...] | None = None, prefix_output: bool = True,
+        log_role: str = "pd_launch",
+    ) -> None:  # fmt: skip
         self.role = role
         self.args = args  # after `python -m asyncpp.launch`
         self.cpus = cpus  # None: the launcher's CPUs
@@ -45,9 +50,10 @@ class EngineChild:
         self.proc: asyncio.subprocess.Process | None = None
         self.output_tail: collections.deque[str] = collections.deque(maxlen=NUM_TAIL_LINES)
         self.is_stopping = False
+        self.ready_detail = ""  # what its ready line says after the address (its compute plan), unbracketed
         self._address: asyncio.Future | None = None
         self._pump: asyncio.Task | None = None
-        self.log = get_logger(role="pd_launch", engine=role)
+        self.log = get_logger(role=log_role, engine=role)
 
     @property
     def pid(self) -> int | None:
@@ -77,6 +83,7 @@ class EngineChild:
             self.output_tail.append(line)
             m = READY_RE.search(line)
             if m and not self._address.done():
+                self.ready_detail = m.group(2) or ""
                 self._address.set_result(m.group(1))
                 continue
             sys.stderr.write(self.prefix + line)
@@ -119,3 +126,11 @@ class EngineChild:
         if self._address is not None and self._address.done() and not self._address.cancelled():
             self._address.exception()  # a start-up failure nobody waited for is not an error to report again
         return self.proc.returncode
+
+
+async def watch_exit(child: EngineChild, mark_gone: Callable[[str], None]) -> None:
+    """A child engine that exits while its launcher runs (not stopped by it): `mark_gone(why)`, then
+    return; until then, wait (cancel it at shutdown)."""
+    code = await child.wait()
+    if not child.is_stopping:
+        mark_gone(f"its process exited with code {code}")

@@ -135,6 +135,9 @@ def engine_sections(base: dict[str, Any], overrides: Any, role: str) -> dict[str
 
 
 def check_role(role: str, config: EngineConfig) -> None:
+    if config.parallel.dp_size != 1:  # its router would stand between the two and pass no handshakes
+        raise ConfigError(f"disagg.{role}: parallel.dp_size must be 1 in a prefill/decode deployment, "
+                          f"got {config.parallel.dp_size}")  # fmt: skip
     kv_role = config.kv_transfer.kv_role
     if config.kv_transfer.is_enabled and kv_role != KV_ROLES[role]:
         raise ConfigError(f"disagg.{role}: kv_transfer.kv_role must be {KV_ROLES[role]!r} (or unset), got {kv_role!r}")

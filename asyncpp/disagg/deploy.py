@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -32,16 +30,16 @@ import uvloop
 from asyncpp.config import ConfigError, EngineConfig, with_http_overrides
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.config import ROLES, DisaggConfig, load_disagg_config, split_cpus
+from asyncpp.disagg.lifecycle import Deployment, on_signals
 from asyncpp.disagg.link import EngineLink
-from asyncpp.front_ends import bind_client_port, check_http_port, http_url, one_shot, start_http, stop_http
 from asyncpp.disagg.router import PDRouter
+from asyncpp.front_ends import bind_client_port, check_http_port
 from asyncpp.logging import get_logger
 from asyncpp.runtime.cpu_affinity import usable_cpu_ids
 from asyncpp.toml_write import to_toml
 from asyncpp.wire.client_auth import ClientAccess, new_secret
 
 MAX_FRAME_BYTES = 8 * 1024 * 1024  # as an engine's
-CHILD_STOP_MARGIN_S = 15.0  # beyond an engine's grace period before it is killed
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -90,80 +88,44 @@ async def run(pd: DisaggConfig, config: EngineConfig, ns: argparse.Namespace) ->
     port = config.server.port if ns.port is None else ns.port
     # The router's clients: those with the client secret (none holds the engine role here).
     queue = bind_client_port(config.server.host, port, MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
-    loop = asyncio.get_running_loop()
     main_task = asyncio.current_task()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # during start-up: stop, reaping what started
-        loop.add_signal_handler(sig, main_task.cancel)
+    on_signals(main_task.cancel)  # during start-up: stop, reaping what started
     workdir = Path(tempfile.mkdtemp(prefix="asyncpp-pd-"))
     engine_secret = config.server.engine_secret or new_secret()
     paths, cpus = engine_files(pd, workdir, engine_secret)
     log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
     log_args += ["--log-file", ns.log_file] if ns.log_file else []
-    children = {
-        role: EngineChild(role, ["--config", str(paths[role]), *log_args], cpus=cpus[role],
-                          prefix_output=ns.log_format == "console")
+    children = [
+        EngineChild(role, ["--config", str(paths[role]), *log_args], cpus=cpus[role],
+                    prefix_output=ns.log_format == "console")
         for role in ROLES
-    }  # fmt: skip
-    router: PDRouter | None = None
-    http = None
-    watchers: list[asyncio.Task] = []
+    ]  # fmt: skip
+    deployment = Deployment(queue, children, workdir)
     try:
-        for child in children.values():
+        for child in children:
             await child.start()
         timeout_s = pd.section.start_timeout_s
-        addresses = await asyncio.gather(*(child.wait_ready(timeout_s) for child in children.values()))
-        links = {
-            role: EngineLink(role, address, engine_secret=engine_secret, health_interval_s=pd.section.health_interval_s,
-                             health_timeout_s=pd.section.health_timeout_s)
+        addresses = await asyncio.gather(*(child.wait_ready(timeout_s) for child in children))
+        links = [
+            EngineLink(role, address, engine_secret=engine_secret, health_interval_s=pd.section.health_interval_s,
+                       health_timeout_s=pd.section.health_timeout_s)
             for role, address in zip(ROLES, addresses)
-        }  # fmt: skip
-        router = PDRouter(queue, links["prefill"], links["decode"], handover=pd.section.handover)
+        ]  # fmt: skip
+        deployment.router = router = PDRouter(queue, *links, handover=pd.section.handover)
         try:
             await router.connect(timeout_s)
         except (TimeoutError, RuntimeError) as e:  # an engine that does not answer, or refuses the other
             raise EngineStartError(f"KV handshakes: {e}") from e
-        watchers = [asyncio.create_task(_watch(children[role], links[role])) for role in ROLES]
-        grace_s = config.server.grace_period_s
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(router.drain_and_stop(grace_s)))
+        deployment.watch(links)
         log.info("pd_ready", address=router.address, prefill=addresses[0], decode=addresses[1],
                  cpus={role: list(c) if c else None for role, c in cpus.items()})  # fmt: skip
-        if config.server.http_port:
-            http = await start_http(str(paths["decode"]), config, router.address, router.router_id)
-            print(f"asyncpp http: OpenAI API on {http_url(config)}/v1", file=sys.stderr, flush=True)
-        # Only now: whoever reads this line may signal us at once.
-        print(f"asyncpp ready: clients connect to {router.address} (prefill/decode router: "
-              f"prefill {addresses[0]}, decode {addresses[1]})", file=sys.stderr, flush=True)  # fmt: skip
-        serving = asyncio.create_task(router.serve())
-        ok = True
-        if ns.prompt is not None:
-            ok = await one_shot(router.address, ns.prompt, ns.max_tokens, config.server.client_secret)
-            await router.drain_and_stop(grace_s)
-        await serving
-        return 0 if ok and router.is_healthy else 1
+        ready = (f"asyncpp ready: clients connect to {router.address} (prefill/decode router: "
+                 f"prefill {addresses[0]}, decode {addresses[1]})")  # fmt: skip
+        return await deployment.serve(config, ns, str(paths["decode"]), ready)
     except asyncio.CancelledError:
         log.info("pd_start_interrupted")
         return 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut the clean-up short
-            loop.add_signal_handler(sig, lambda: log.warning("pd_stopping_already"))
-        for task in watchers:
-            task.cancel()
-        if http is not None:
-            await stop_http(http)
-        if router is not None:
-            await router.close()
-        else:
-            queue.close()
-        grace_s = config.server.grace_period_s
-        await asyncio.gather(*(child.stop(grace_s + CHILD_STOP_MARGIN_S) for child in children.values()))
-        shutil.rmtree(workdir, ignore_errors=True)
+        on_signals(lambda: log.warning("pd_stopping_already"))  # a second Ctrl-C must not cut the clean-up short
+        await deployment.stop(config.server.grace_period_s)
         log.info("pd_stopped")
-
-
-async def _watch(child: EngineChild, link: EngineLink) -> None:
-    """An engine process that exits while the launcher runs: its requests fail, it never returns."""
-    code = await child.wait()
-    if not child.is_stopping:
-        link.mark_gone(f"its process exited with code {code}")
-

@@ -45,14 +45,14 @@ ReplyHandlers = dict[type, Callable[[Any], Awaitable[Any]]]
 
 
 class ClientFront:
-    def __init__(self, queue: RouterQueue, sink: RouterSink, replies: ReplyHandlers) -> None:
+    def __init__(self, queue: RouterQueue, sink: RouterSink, replies: ReplyHandlers, log_role: str = "pd_router") -> None:
         self.queue = queue
         self.sink = sink
         self.replies = replies
         self._outbox: dict[bytes, list[Any]] = {}  # (request id, delta) or a whole message
         self._flushing: asyncio.Task | None = None
         self._reply_tasks: set[asyncio.Task] = set()
-        self.log = get_logger(role="pd_router")
+        self.log = get_logger(role=log_role)
 
     async def serve(self) -> None:
         while True:

@@ -30,9 +30,9 @@ RETRY_INTERVAL_S = 0.2
 class EngineLink:
     def __init__(
         self, role: str, address: str, *, engine_secret: str = "", health_interval_s: float = 0.5,
-        health_timeout_s: float = 1.0,
+        health_timeout_s: float = 1.0, log_role: str = "pd_router",
     ) -> None:  # fmt: skip
-        self.role = role  # "prefill" | "decode"
+        self.role = role  # "prefill" | "decode" | "replica N"
         self.address = address
         # In the engine role (the deployment's engine secret): the KV handshakes need it.
         self.client = AsyncClient(address, secret=engine_secret, role=ENGINE)
@@ -48,7 +48,7 @@ class EngineLink:
         self.on_answer: Callable[[EngineLink], Awaitable[bool]] | None = None
         # Its stages were restarted (its health reports a new KV generation): handshakes are exchanged again.
         self.on_new_generation: Callable[[EngineLink], Awaitable[None]] | None = None
-        self.log = get_logger(role="pd_router", engine=role)
+        self.log = get_logger(role=log_role, engine=role)
 
     @property
     def is_alive(self) -> bool:

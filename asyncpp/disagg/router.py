@@ -44,53 +44,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
-import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from asyncpp.disagg.front import ClientFront
 from asyncpp.disagg.link import EngineLink, exchange_handshakes
+from asyncpp.disagg.router_base import Routed, RouterBase, engine_stats
 from asyncpp.disagg.stats import RouterCounters, merged_stats
 from asyncpp.disagg.translate import DO_REMOTE_DECODE, error_reply, handed_on, invalid, prefill_params
 from asyncpp.kv_transfer.pd.params import DECODE_ENGINE_ID, AwaitedPrefill
-from asyncpp.logging import get_logger
 from asyncpp.sampling.params import SamplingParams
-from asyncpp.wire.client_msgs import (
-    AddRemoteEngine,
-    AddRemoteEngineReply,
-    ErrorReply,
-    GenerateRequest,
-    HealthReply,
-    HealthRequest,
-    KVHandshakeReply,
-    KVHandshakeRequest,
-    StatsReply,
-    StatsRequest,
-)
+from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, StatsReply, StatsRequest
 from asyncpp.wire.queues import RouterQueue
 
-STATS_TIMEOUT_S = 1.0  # per engine; the HTTP front end gives the router 2 s
 REVIVE_TIMEOUT_S = 2.0
 
 
 @dataclass(eq=False)
-class RoutedRequest:
-    peer: bytes
-    msg: GenerateRequest  # as the client sent it
-    engine_request_id: str  # its id on both engines
+class RoutedRequest(Routed):
     phase: str = "prefill"  # "prefill" | "decode"
     prefill_done_at: float = 0.0
     # after_prefill: the prefill engine's params once it handed them out (it holds the prompt's
     # blocks for them), until the decode phase starts.
     handed_out: dict[str, Any] | None = None
-    task: asyncio.Task | None = field(default=None, repr=False)
 
-    @property
-    def key(self) -> tuple[bytes, str]:
-        return self.peer, self.msg.request_id
+    def log_context(self) -> dict[str, Any]:
+        return {"phase": self.phase}
 
 
 class RequestError(Exception):
@@ -101,35 +81,22 @@ class RequestError(Exception):
         self.reply = reply
 
 
-class PDRouter:
+class PDRouter(RouterBase):
+    log_role = "pd_router"
+    id_tag = "pd"
+    no_remote_engines = "a prefill/decode router has no KV connector: tell its engines"
+
     def __init__(self, queue: RouterQueue, prefill: EngineLink, decode: EngineLink, handover: str = "early") -> None:
+        super().__init__(queue, [prefill, decode], RouterCounters())
         self.prefill = prefill
         self.decode = decode
         self.handover = handover
-        replies = {
-            HealthRequest: self._health,
-            StatsRequest: self._stats,
-            KVHandshakeRequest: self._kv_handshake,
-            AddRemoteEngine: self._add_remote_engine,
-        }
-        self.front = ClientFront(queue, self, replies)
-        self.requests: dict[tuple[bytes, str], RoutedRequest] = {}
-        self.counters = RouterCounters()
-        self.is_draining = False
-        self.router_id = secrets.token_hex(8)  # in every engine request id: unique across routers and restarts
-        self._ids = itertools.count(1)
         self._releases: set[asyncio.Task] = set()  # `_send_and_abort`s under way
-        self._stop = asyncio.Event()
         self._exchanging = asyncio.Lock()  # one handshake exchange at a time
-        self.log = get_logger(role="pd_router", router_id=self.router_id)
         for link in (prefill, decode):
             link.on_dead = self._engine_dead
             link.on_answer = self._engine_answers
             link.on_new_generation = self._new_generation
-
-    @property
-    def address(self) -> str:
-        return self.front.queue.address
 
     @property
     def is_healthy(self) -> bool:
@@ -140,75 +107,23 @@ class PDRouter:
         """Start-up: exchange the engines' KV handshakes (waiting for both to answer)."""
         await exchange_handshakes(self.prefill, self.decode, timeout_s)
 
-    async def serve(self) -> None:
-        tasks = [
-            asyncio.create_task(self.front.serve(), name="pd_clients"),
-            asyncio.create_task(self.prefill.monitor(), name="pd_prefill_health"),
-            asyncio.create_task(self.decode.monitor(), name="pd_decode_health"),
-        ]
-        await self._stop.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def drain_and_stop(self, grace_period_s: float) -> None:
-        """Refuse new requests, let running ones finish within the grace period, fail the rest."""
-        if self.is_draining:
-            return
-        self.is_draining = True
-        self.log.info("router_draining", num_unfinished=len(self.requests), grace_period_s=grace_period_s)
-        deadline = time.monotonic() + grace_period_s
-        while self.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        tasks = [req.task for req in self.requests.values() if req.task is not None]
-        for req in list(self.requests.values()):
-            self._fail(req, "the router shut down before the request finished", "shutdown")
-        if tasks:  # cancelled: let their aborts reach the engines
-            await asyncio.wait(tasks, timeout=1.0)
-        self._stop.set()
-
-    async def close(self) -> None:
-        await self.front.close()
-        self.prefill.close()
-        self.decode.close()
-
     # ---- requests (`RouterSink`) -----------------------------------------------------------
     def add_request(self, peer: bytes, msg: GenerateRequest) -> ErrorReply | None:
         rid = msg.request_id
         if msg.kv_transfer_params is not None:
             return invalid(rid, "kv_transfer_params", "set by the prefill/decode router, never by its clients")
-        if self.is_draining:
-            return ErrorReply(rid, "the router is shutting down", "shutdown")
         for link in (self.prefill, self.decode):
             if not link.is_alive:
                 return ErrorReply(rid, link.dead_message(), "engine_dead")
-        if not isinstance(rid, str) or not rid:
-            return invalid(rid, "request_id", "must be a non-empty string")
-        if (peer, rid) in self.requests:
-            return invalid(rid, "request_id", f"duplicate request id {rid!r}")
+        if (error := self.refusal(peer, msg)) is not None:
+            return error
         try:  # as the engines would: a bad value is refused before a prefill is spent on it
             SamplingParams.from_dict(msg.sampling_params).validate()
         except (TypeError, ValueError) as e:
             return invalid(rid, "sampling_params", str(e))
-        req = RoutedRequest(peer, msg, f"{rid}.pd{self.router_id}.{next(self._ids)}")
-        self.requests[req.key] = req
-        self.counters.num_requests += 1
-        req.task = asyncio.get_running_loop().create_task(self._route(req))
+        req = RoutedRequest(peer, msg, self.engine_request_id(rid))
+        self.start(req, self._route(req))
         return None
-
-    def abort(self, peer: bytes, request_id: str) -> None:
-        req = self.requests.pop((peer, request_id), None)
-        if req is not None:
-            self.counters.num_aborted += 1
-            self.log.debug("request_aborted", request_id=req.engine_request_id, phase=req.phase)
-            req.task.cancel()  # closing its engine stream aborts it there
-
-    def drop_peer(self, peer: bytes) -> None:
-        gone = [key for key in self.requests if key[0] == peer]
-        for _, request_id in gone:
-            self.abort(peer, request_id)
-        if gone:
-            self.log.info("client_gone", peer=peer.hex(), num_aborted=len(gone))
 
     @property
     def is_early(self) -> bool:
@@ -353,22 +268,6 @@ class PDRouter:
             except Exception as e:
                 raise RequestError(error_reply(msg.request_id, e, self.decode.name)) from e
 
-    def _finished(self, req: RoutedRequest) -> None:
-        if self.requests.get(req.key) is req:
-            del self.requests[req.key]  # over: a late abort finds nothing
-            self.counters.num_finished += 1
-
-    def _fail(self, req: RoutedRequest, message: str, kind: str, error_field: str | None = None) -> None:
-        """End the request with an error for its client (once) and stop its task."""
-        if self.requests.get(req.key) is not req:
-            return  # finished, aborted or failed already
-        del self.requests[req.key]
-        self.counters.num_failed += 1
-        self.log.info("request_failed", request_id=req.engine_request_id, phase=req.phase, kind=kind, error=message)
-        if req.task is not None and req.task is not asyncio.current_task():
-            req.task.cancel()
-        self.front.push_error(req.peer, ErrorReply(req.msg.request_id, message, kind, error_field))
-
     # ---- engines ---------------------------------------------------------------------------
     def _engine_dead(self, link: EngineLink) -> None:
         # Every request needs the decode engine; only those still prefilling need the prefill one.
@@ -416,11 +315,8 @@ class PDRouter:
                 raise RequestError(ErrorReply(req.msg.request_id, message, "engine_dead")) from e
 
     # ---- request/reply ---------------------------------------------------------------------
-    async def _health(self, msg: HealthRequest) -> HealthReply:
-        return HealthReply(msg.nonce, self.is_healthy)
-
     async def _stats(self, msg: StatsRequest) -> StatsReply:
-        prefill, decode = await asyncio.gather(_engine_stats(self.prefill), _engine_stats(self.decode))
+        prefill, decode = await asyncio.gather(engine_stats(self.prefill), engine_stats(self.decode))
         router = {
             **self.counters.stats(),
             "pd_num_unfinished": len(self.requests),
@@ -431,18 +327,3 @@ class PDRouter:
             "run_id": self.router_id,  # the router's, as an engine's names its run (not the decode engine's)
         }
         return StatsReply(msg.nonce, merged_stats(prefill, decode, router))
-
-    async def _kv_handshake(self, msg: KVHandshakeRequest) -> KVHandshakeReply:
-        return KVHandshakeReply(msg.nonce, None)
-
-    async def _add_remote_engine(self, msg: AddRemoteEngine) -> AddRemoteEngineReply:
-        return AddRemoteEngineReply(msg.nonce, "a prefill/decode router has no KV connector: tell its engines")
-
-
-async def _engine_stats(link: EngineLink) -> dict[str, Any] | None:
-    if not link.is_alive:
-        return None
-    try:
-        return await link.client.stats(timeout_s=STATS_TIMEOUT_S)
-    except TimeoutError:
-        return None

@@ -41,11 +41,12 @@ def invalid(request_id: str, error_field: str, message: str) -> ErrorReply:
     return ErrorReply(request_id, str(InvalidRequestError(error_field, message)), "invalid_request", error_field)
 
 
-def error_reply(request_id: str, error: Exception, engine_name: str) -> ErrorReply:
-    """The `ErrorReply` an engine sent, back from the exception `AsyncClient` raised for it."""
+def error_reply(request_id: str, error: Exception, engine_name: str, *, params_from_router: bool = True) -> ErrorReply:
+    """The `ErrorReply` an engine sent, back from the exception `AsyncClient` raised for it.
+    `params_from_router`: the request's `kv_transfer_params` were the router's, not the client's."""
     if isinstance(error, InvalidRequestError):
         message, prefix = error.message, f"{error.field}: "  # the engine's message, as it was sent
-        if error.field == "kv_transfer_params":  # the router's params, not the client's: not its fault
+        if error.field == "kv_transfer_params" and params_from_router:  # not the client's fault
             why = message.removeprefix(prefix)  # the engine's own message names the field too
             return ErrorReply(request_id, f"{engine_name} refused the router's kv_transfer_params: {why}", "internal")
         # AsyncClient names a reply without a field "request".

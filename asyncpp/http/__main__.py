@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = HttpSettings(
         ns.engine, served_model_name(config), config.model.max_model_len, server.api_key or None,
         metrics_require_key=server.metrics_require_key,
-        max_in_flight=config.scheduler.max_num_seqs + server.max_queued_requests,
+        max_in_flight=config.scheduler.max_num_seqs * config.parallel.dp_size + server.max_queued_requests,
         max_frame_bytes=server.max_frame_bytes, grace_period_s=server.grace_period_s,
         client_secret=server.client_secret, engine_id=ns.engine_id, exits_when_engine_lost=ns.engine_id is not None,
     )  # fmt: skip

@@ -23,6 +23,7 @@ SAMPLE = {  # a value each flag takes
     "server.api_key": "k", "server.served_model_name": "smol", "parallel.pp_size": "3", "model.max_model_len": "1024",
     "model.dtype": "float32", "scheduler.max_num_seqs": "7", "speculative": '{"method": "ngram"}',
     "kv_transfer": '{"kv_connector": "offload"}', "server.port": "5999",
+    "parallel.dp_size": "2",
 }  # fmt: skip
 
 

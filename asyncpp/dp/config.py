@@ -1,0 +1,72 @@
+"""A data-parallel deployment's replicas: each one a normal engine config, derived from the deployment's.
+
+`parallel.dp_size = N` (N > 1) makes `asyncpp.launch` start N engines of the
+same config (replicas) behind one router (`asyncpp.dp.deploy`). Each replica's
+tables are the deployment's with:
+- `parallel.dp_size` 1;
+- `server.port` 0 (any free port) and `server.http_port` 0: clients and the
+  one HTTP front end talk to the router, which has the deployment's ports;
+- `server.engine_secret` the deployment's (the router's links present it);
+- a "dir" KV store in a subdirectory of its own (`replica-I`), so that no two
+  replicas write the same files;
+- `parallel.pin_threads` false when the replicas share every CPU (there are
+  fewer CPUs than their stages' threads together): threads of two replicas
+  pinned to the same cores would collide.
+
+A prefill/decode role (`kv_transfer.kv_role`) is refused: the router passes no
+KV handshakes between engines. Each derived config is validated here, so a
+bad value fails before anything starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+from asyncpp.config import ConfigError, EngineConfig, config_from_dict
+
+
+def check_dp(config: EngineConfig) -> None:
+    """`ConfigError` if `config` cannot be served by replicas behind a router."""
+    if config.kv_transfer.kv_role:
+        raise ConfigError(
+            f"parallel.dp_size = {config.parallel.dp_size} cannot take kv_transfer.kv_role "
+            f"{config.kv_transfer.kv_role!r}: the data-parallel router passes no KV handshakes "
+            "(a prefill/decode deployment is a [disagg] table)"
+        )
+
+
+def replica_sections(
+    sections: dict[str, Any], index: int, engine_secret: str, *, share_cpus: bool
+) -> dict[str, Any]:
+    """Replica `index`'s tables (valid for `config_from_dict`, else `ConfigError` naming the replica)."""
+    derived = copy.deepcopy(sections)
+    parallel = derived.setdefault("parallel", {})
+    parallel["dp_size"] = 1
+    if share_cpus:
+        parallel["pin_threads"] = False
+    server = derived.setdefault("server", {})
+    server.update(port=0, http_port=0, engine_secret=engine_secret)
+    kv = derived.get("kv_transfer", {})
+    if kv.get("store") == "dir" and kv.get("store_path"):
+        kv["store_path"] = str(Path(kv["store_path"]) / f"replica-{index}")
+    try:
+        config_from_dict(derived)
+    except ConfigError as e:
+        raise ConfigError(f"replica {index}: {e}") from e
+    return derived
+
+
+def replica_cpus(cpu_ids: list[int], dp_size: int, need: int) -> list[tuple[int, ...]] | None:
+    """Consecutive CPUs for each replica, as even as possible (the first ones get any extra); None
+    when some replica would get fewer than `need` (its stages' threads): then all share every CPU."""
+    per, extra = divmod(len(cpu_ids), dp_size)
+    if per < need:
+        return None
+    shares, start = [], 0
+    for i in range(dp_size):
+        end = start + per + (1 if i < extra else 0)
+        shares.append(tuple(cpu_ids[start:end]))
+        start = end
+    return shares

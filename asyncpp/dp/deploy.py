@@ -1,0 +1,120 @@
+"""`python -m asyncpp.launch --config FILE` with `parallel.dp_size = N`: N engines behind one router.
+
+`asyncpp.launch.serve` hands such a config here. The router's `server.port`
+is bound, and `server.http_port` tried, before anything starts (a port in use
+is exit 2 naming its key). Each replica's derived config
+(`asyncpp.dp.config`) goes into a temporary directory of the launcher's own
+(it holds the engine secret); the replicas start as child launchers on free
+ports, each bound to CPUs of its own when there are enough, and once every
+one is ready and healthy the HTTP front end (when asked) starts against the
+router, the router prints its ready line and serves (or answers `--prompt`
+once).
+
+A replica that exits fails its requests ("engine_dead"); the router goes on
+with the others, unhealthy, until the launcher is stopped. Ctrl-C / SIGTERM:
+the router drains within `server.grace_period_s`, then the replicas are
+stopped; the children are always reaped and the directory removed. Exit code:
+0, or 1 when a replica died (or the one-shot failed), 2 for a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import uvloop
+
+from asyncpp.config import ConfigError, EngineConfig
+from asyncpp.disagg.child import EngineChild, EngineStartError
+from asyncpp.disagg.lifecycle import Deployment, on_signals
+from asyncpp.disagg.link import EngineLink
+from asyncpp.dp.config import check_dp, replica_cpus, replica_sections
+from asyncpp.dp.router import LOG_ROLE, DPRouter
+from asyncpp.front_ends import bind_client_port, check_http_port
+from asyncpp.logging import get_logger
+from asyncpp.runtime.cpu_affinity import usable_cpu_ids
+from asyncpp.toml_write import to_toml
+from asyncpp.wire.client_auth import ClientAccess, new_secret
+
+MAX_FRAME_BYTES = 8 * 1024 * 1024  # as an engine's
+START_TIMEOUT_S = 600.0  # every replica ready (stages loaded) and healthy within it
+HEALTH_INTERVAL_S = 0.5  # a health check per replica this often
+HEALTH_TIMEOUT_S = 2.0  # no reply within it: the replica is dead
+
+
+def main(config: EngineConfig, ns: argparse.Namespace) -> int:
+    """After `asyncpp.launch` read `config` (from `ns.config`, with the command line's HTTP settings)
+    and configured logging."""
+    try:
+        check_dp(config)
+        return uvloop.run(run(config, ns))
+    except ConfigError as e:  # a bad replica config, or a port in use (found before the replicas start)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except EngineStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if e.exit_code == 2 else 1
+
+
+def replica_files(
+    config: EngineConfig, config_path: str, workdir: Path, engine_secret: str
+) -> tuple[list[Path], list[tuple[int, ...] | None]]:
+    """Each replica's config file (in `workdir`) and its CPUs (None: they share the launcher's)."""
+    sections = tomllib.loads(Path(config_path).read_text())
+    parallel = config.parallel
+    shares = replica_cpus(usable_cpu_ids(), parallel.dp_size, parallel.pp_size * parallel.num_threads)
+    paths = []
+    for i in range(parallel.dp_size):
+        path = workdir / f"replica-{i}.toml"
+        path.write_text(to_toml(replica_sections(sections, i, engine_secret, share_cpus=shares is None)))
+        paths.append(path)
+    return paths, list(shares) if shares is not None else [None] * parallel.dp_size
+
+
+async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
+    log = get_logger(role="dp_launch")
+    check_http_port(config)  # both ports before any replica starts
+    port = config.server.port if ns.port is None else ns.port
+    queue = bind_client_port(config.server.host, port, MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
+    on_signals(asyncio.current_task().cancel)  # during start-up: stop, reaping what started
+    deployment = Deployment(queue, [], Path(tempfile.mkdtemp(prefix="asyncpp-dp-")))
+    try:
+        engine_secret = config.server.engine_secret or new_secret()
+        paths, cpus = replica_files(config, ns.config, deployment.workdir, engine_secret)
+        log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
+        log_args += ["--log-file", ns.log_file] if ns.log_file else []
+        deployment.children = children = [
+            EngineChild(f"replica {i}", ["--config", str(path), *log_args], cpus=cpus[i],
+                        prefix_output=ns.log_format == "console", log_role="dp_launch")
+            for i, path in enumerate(paths)
+        ]  # fmt: skip
+        for child in children:
+            await child.start()
+        addresses = await asyncio.gather(*(child.wait_ready(START_TIMEOUT_S) for child in children))
+        links = [
+            EngineLink(child.role, address, engine_secret=engine_secret, health_interval_s=HEALTH_INTERVAL_S,
+                       health_timeout_s=HEALTH_TIMEOUT_S, log_role=LOG_ROLE)
+            for child, address in zip(children, addresses)
+        ]  # fmt: skip
+        deployment.router = router = DPRouter(queue, links)
+        try:
+            await router.connect(START_TIMEOUT_S)
+        except TimeoutError as e:
+            raise EngineStartError(str(e)) from e
+        deployment.watch(links)
+        log.info("dp_ready", address=router.address, replicas=addresses, cpus=[list(c) if c else None for c in cpus])
+        each = f"; each {children[0].ready_detail}" if children[0].ready_detail else ""
+        ready = (f"asyncpp ready: clients connect to {router.address} (data-parallel router: "
+                 f"{len(addresses)} replicas, {', '.join(addresses)}{each})")  # fmt: skip
+        return await deployment.serve(config, ns, ns.config, ready)  # its file: dp_size sets its in-flight limit
+    except asyncio.CancelledError:
+        log.info("dp_start_interrupted")
+        return 1
+    finally:
+        on_signals(lambda: log.warning("dp_stopping_already"))  # a second Ctrl-C must not cut the clean-up short
+        await deployment.stop(config.server.grace_period_s)
+        log.info("dp_stopped")

@@ -1,0 +1,146 @@
+"""`DPRouter`: one address for clients in front of N replicas of one engine (data parallelism).
+
+It speaks the engine's client protocol, so a client (or the HTTP front end)
+cannot tell it from an engine. Each request goes whole to one replica: the
+live replica with the fewest of the router's requests unfinished, the next
+one in turn on a tie (so equal loads alternate). The replicas run the same
+config, and every path of an engine is batch-invariant, so which replica
+serves a request never changes its tokens. The request goes as the client
+sent it (prompt, sampling params, `kv_transfer_params`) under an id the
+router makes (`<client id>.dp<router id>.<n>`: two clients may use the same
+id, and no other router, nor this one restarted, makes an id a live request
+already has); the replica's deltas come back unchanged under the client's id,
+and its errors with their kind.
+
+An abort (or the client gone) cancels the request's task, which aborts it in
+its replica (`AsyncClient.generate` sends the abort as its stream closes). A
+replica found dead (`EngineLink`: no health reply, or its process gone) fails
+its own requests with "engine_dead" at once; new requests go to the others,
+and it takes requests again once it answers healthy (restarted at the same
+address). The router reports itself healthy only while every replica is, as
+an engine whose part is lost would; it is dead when none is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from asyncpp.disagg.link import EngineLink
+from asyncpp.disagg.router_base import Routed, RouterBase, engine_stats
+from asyncpp.disagg.translate import error_reply
+from asyncpp.dp.stats import RouterCounters, merged_stats
+from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, StatsReply, StatsRequest
+from asyncpp.wire.queues import RouterQueue
+
+LOG_ROLE = "dp_router"
+
+
+@dataclass(eq=False)
+class ReplicaRequest(Routed):
+    replica: int = 0  # index into `DPRouter.replicas`
+
+    def log_context(self) -> dict[str, Any]:
+        return {"replica": self.replica}
+
+
+class DPRouter(RouterBase):
+    log_role = LOG_ROLE
+    id_tag = "dp"
+    no_remote_engines = "a data-parallel router takes no remote engines"
+
+    def __init__(self, queue: RouterQueue, replicas: list[EngineLink]) -> None:
+        if not replicas:
+            raise ValueError("a data-parallel router needs at least one replica")
+        super().__init__(queue, replicas, RouterCounters())
+        self.replicas = replicas
+        self.num_unfinished = [0] * len(replicas)  # the router's requests on each replica
+        self.num_routed = [0] * len(replicas)
+        self._next = 0  # where the search for the least loaded starts: ties go in turn
+        for link in replicas:
+            link.on_dead = self._replica_dead
+            link.on_answer = self._replica_answers
+
+    @property
+    def is_healthy(self) -> bool:
+        return all(link.is_alive for link in self.replicas)
+
+    async def connect(self, timeout_s: float) -> None:
+        """Start-up: wait until every replica answers healthy; `TimeoutError` naming those that do not."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reasons = await asyncio.gather(*(link.check() for link in self.replicas))
+            silent = [f"{link.name}: {why}" for link, why in zip(self.replicas, reasons) if why is not None]
+            if not silent:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"replicas not healthy within {timeout_s:g} s: {'; '.join(silent)}")
+            await asyncio.sleep(0.1)
+
+    # ---- requests (`RouterSink`) -----------------------------------------------------------
+    def add_request(self, peer: bytes, msg: GenerateRequest) -> ErrorReply | None:
+        if (error := self.refusal(peer, msg)) is not None:
+            return error
+        replica = self.choose()
+        if replica is None:
+            reasons = "; ".join(link.dead_message() for link in self.replicas)
+            return ErrorReply(msg.request_id, f"every replica is dead: {reasons}", "engine_dead")
+        req = ReplicaRequest(peer, msg, self.engine_request_id(msg.request_id), replica=replica)
+        self.num_unfinished[replica] += 1
+        self.num_routed[replica] += 1
+        self.start(req, self._route(req))
+        return None
+
+    def choose(self) -> int | None:
+        """The live replica with the fewest unfinished requests, the first from `_next` on a tie; None if none lives."""
+        n = len(self.replicas)
+        live = [i for i in ((self._next + k) % n for k in range(n)) if self.replicas[i].is_alive]
+        if not live:
+            return None
+        best = min(live, key=lambda i: self.num_unfinished[i])  # min keeps the first of equals
+        self._next = (best + 1) % n
+        return best
+
+    async def _route(self, req: ReplicaRequest) -> None:
+        link, msg = self.replicas[req.replica], req.msg
+        stream = link.client.generate(msg.prompt, msg.sampling_params, req.engine_request_id, msg.kv_transfer_params)
+        async with contextlib.aclosing(stream):
+            try:
+                async for delta in stream:
+                    if delta.finished:
+                        self._finished(req)
+                    self.front.push_delta(req.peer, msg.request_id, delta)
+            except Exception as e:  # the replica's error (or a dead replica's), with its kind
+                reply = error_reply(msg.request_id, e, link.name, params_from_router=False)
+                self._fail(req, reply.message, reply.kind, reply.field)
+
+    def _forget(self, req: ReplicaRequest) -> None:
+        super()._forget(req)
+        self.num_unfinished[req.replica] -= 1
+
+    # ---- replicas --------------------------------------------------------------------------
+    def _replica_dead(self, link: EngineLink) -> None:
+        index = self.replicas.index(link)
+        for req in [r for r in self.requests.values() if r.replica == index]:
+            self._fail(req, link.dead_message(), "engine_dead")
+
+    async def _replica_answers(self, link: EngineLink) -> bool:
+        """A dead replica answers healthy again (restarted at its address): it takes requests again."""
+        return True
+
+    # ---- request/reply ---------------------------------------------------------------------
+    async def _stats(self, msg: StatsRequest) -> StatsReply:
+        replicas = await asyncio.gather(*(engine_stats(link) for link in self.replicas))
+        router = {
+            **self.counters.stats(),
+            "dp_size": len(self.replicas),
+            "dp_num_unfinished": list(self.num_unfinished),
+            "dp_num_routed": list(self.num_routed),
+            "dp_replicas": [{"address": link.address, "dead_reason": link.dead_reason} for link in self.replicas],
+            "is_dead": not any(link.is_alive for link in self.replicas),
+            "run_id": self.router_id,  # the router's, as an engine's names its run
+        }
+        return StatsReply(msg.nonce, merged_stats(list(replicas), router))

@@ -1,0 +1,68 @@
+"""Data-parallel router fixtures: fake replicas (`tests.disagg.fakes`, as whole engines) and a `DPRouter`, in-process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncpp.client import AsyncClient
+from asyncpp.disagg.link import EngineLink
+from asyncpp.dp.router import DPRouter
+from asyncpp.wire.queues import RouterQueue
+from tests.disagg.fakes import ENGINE_SECRET, FakeEngine
+
+
+def fake_replica(index: int) -> FakeEngine:
+    """A fake whole engine: three deltas per request (`decode_deltas`), no KV params expected."""
+    engine = FakeEngine(f"replica {index}")
+    engine.expected_params = None
+    engine.stats = {"num_running": 0, "num_waiting": 0, "pid": 1000 + index}
+    return engine.start()
+
+
+class DPSetup:
+    def __init__(self, replicas: list[FakeEngine], router: DPRouter) -> None:
+        self.replicas = replicas
+        self.router = router
+        self.clients: list[AsyncClient] = []
+        self.serving: asyncio.Task | None = None
+
+    def client(self) -> AsyncClient:
+        client = AsyncClient(self.router.address)
+        self.clients.append(client)
+        return client
+
+    async def close(self) -> None:
+        await self.router.drain_and_stop(0.0)
+        if self.serving is not None:
+            await self.serving
+        await self.router.close()
+        for client in self.clients:
+            client.close()
+        for replica in self.replicas:
+            replica.close()
+
+
+def make_router(replicas: list[FakeEngine]) -> DPRouter:
+    queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
+    links = [EngineLink(e.role, e.address, engine_secret=ENGINE_SECRET, log_role="dp_router") for e in replicas]
+    return DPRouter(queue, links)
+
+
+async def serving(num_replicas: int) -> DPSetup:
+    replicas = [fake_replica(i) for i in range(num_replicas)]
+    setup = DPSetup(replicas, make_router(replicas))
+    await setup.router.connect(5.0)
+    setup.serving = asyncio.create_task(setup.router.serve())
+    return setup
+
+
+@pytest.fixture
+async def dp():
+    """Two fake replicas behind a connected, serving router (a health check every 0.5 s, 1 s timeout)."""
+    setup = await serving(2)
+    try:
+        yield setup
+    finally:
+        await setup.close()
