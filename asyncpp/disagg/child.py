@@ -1,4 +1,5 @@
-"""`EngineChild`: one engine of a deployment of several (prefill/decode, data parallel), a child `python -m asyncpp.launch`.
+"""`EngineChild`: one engine of a deployment of several (prefill/decode, data parallel), run as a
+child `python -m asyncpp.launch`.
 
 The child runs in its own session, so a Ctrl-C in the terminal reaches only
 the launcher, which stops the children in order; the kernel sends it SIGTERM

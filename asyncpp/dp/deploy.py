@@ -106,6 +106,10 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         except TimeoutError as e:
             raise EngineStartError(str(e)) from e
         deployment.watch(links)
+        if cpus[0] is None:  # too few CPUs for a share each: their threads compete for every core
+            p = config.parallel
+            log.warning("dp_cpus_shared", num_replicas=p.dp_size, threads_each=p.pp_size * p.num_threads,
+                        num_cpus=len(usable_cpu_ids()), hint="fewer replicas, or parallel.pp_size = 1")  # fmt: skip
         log.info("dp_ready", address=router.address, replicas=addresses, cpus=[list(c) if c else None for c in cpus])
         each = f"; each {children[0].ready_detail}" if children[0].ready_detail else ""
         ready = (f"asyncpp ready: clients connect to {router.address} (data-parallel router: "

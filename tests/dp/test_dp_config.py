@@ -42,6 +42,16 @@ def test_each_replica_writes_a_dir_store_of_its_own(tmp_path):
     assert paths == [str(tmp_path / "replica-0"), str(tmp_path / "replica-1")]
     shm = replica_sections(sections(kv_transfer={"connector": "offload"}), 1, "s", share_cpus=False)
     assert shm["kv_transfer"] == {"connector": "offload"}
+    kept = {"connector": "offload", "store": "shm", "store_path": str(tmp_path)}  # a path the shm store ignores
+    assert replica_sections(sections(kv_transfer=kept), 1, "s", share_cpus=False)["kv_transfer"] == kept
+
+
+def test_a_deployment_without_parallel_and_server_tables_gets_them():
+    base = {"model": {"source": "hf", "path": "/models/tiny"}}
+    derived = replica_sections(base, 0, "s", share_cpus=True)
+    assert derived["parallel"] == {"dp_size": 1, "pin_threads": False}
+    assert derived["server"] == {"port": 0, "http_port": 0, "engine_secret": "s"}
+    assert base == {"model": {"source": "hf", "path": "/models/tiny"}}
 
 
 def test_a_bad_value_is_refused_naming_the_replica():
@@ -67,8 +77,12 @@ def test_dp_size_must_be_positive():
 
 def test_a_prefill_decode_role_is_refused():
     config = config_from_dict(sections(kv_transfer={"connector": "offload", "kv_role": "producer"}))
-    with pytest.raises(ConfigError, match="parallel.dp_size = 3 cannot take kv_transfer.kv_role 'producer'"):
+    with pytest.raises(ConfigError) as info:
         check_dp(config)
+    assert str(info.value) == (
+        "parallel.dp_size = 3 cannot take kv_transfer.kv_role 'producer': the data-parallel router passes no KV "
+        "handshakes (a prefill/decode deployment is a [disagg] table)"
+    )
     check_dp(config_from_dict(sections(kv_transfer={"connector": "offload"})))  # a connector alone is fine
 
 
