@@ -44,6 +44,12 @@ def served_model_name(config: EngineConfig) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def max_in_flight(config: EngineConfig) -> int:
+    """Requests the server takes at once: what every engine behind it runs (`dp_size` replicas of
+    `max_num_seqs` each, behind a data-parallel router) plus `server.max_queued_requests`."""
+    return config.scheduler.max_num_seqs * config.parallel.dp_size + config.server.max_queued_requests
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m asyncpp.http", description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True)
@@ -68,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = HttpSettings(
         ns.engine, served_model_name(config), config.model.max_model_len, server.api_key or None,
         metrics_require_key=server.metrics_require_key,
-        max_in_flight=config.scheduler.max_num_seqs * config.parallel.dp_size + server.max_queued_requests,
+        max_in_flight=max_in_flight(config),
         max_frame_bytes=server.max_frame_bytes, grace_period_s=server.grace_period_s,
         client_secret=server.client_secret, engine_id=ns.engine_id, exits_when_engine_lost=ns.engine_id is not None,
     )  # fmt: skip

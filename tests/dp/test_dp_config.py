@@ -7,6 +7,7 @@ import pytest
 from asyncpp.config import ConfigError, config_from_dict
 from asyncpp.disagg.config import disagg_config_from_dict
 from asyncpp.dp.config import check_dp, replica_cpus, replica_sections
+from asyncpp.http.__main__ import max_in_flight
 
 
 def sections(**overrides) -> dict:
@@ -96,3 +97,10 @@ def test_a_prefill_decode_deployment_refuses_replicas(where):
         data["disagg"]["decode"] = {"parallel.dp_size": 2}
     with pytest.raises(ConfigError, match="parallel.dp_size must be 1 in a prefill/decode deployment, got 2"):
         disagg_config_from_dict(data)
+
+
+@pytest.mark.parametrize("dp_size,expected", [(1, 7 + 5), (3, 3 * 7 + 5)])
+def test_the_http_front_end_takes_every_replicas_share_at_once(dp_size, expected):
+    config = config_from_dict(sections(parallel={"dp_size": dp_size}, scheduler={"max_num_seqs": 7},
+                                       server={"max_queued_requests": 5}))  # fmt: skip
+    assert max_in_flight(config) == expected
