@@ -25,12 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import uvloop
-
-from asyncpp.config import ConfigError, EngineConfig, with_http_overrides
+from asyncpp.config import EngineConfig, with_http_overrides
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.config import ROLES, DisaggConfig, load_disagg_config, split_cpus
-from asyncpp.disagg.lifecycle import Deployment, on_signals
+from asyncpp.disagg.lifecycle import Deployment, exit_code, on_signals
 from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router import PDRouter
 from asyncpp.front_ends import bind_client_port, check_http_port
@@ -50,14 +48,7 @@ def main(ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        return uvloop.run(run(pd, config, ns))
-    except ConfigError as e:  # a port in use (found before the engines start)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except EngineStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if e.exit_code == 2 else 1
+    return exit_code(run(pd, config, ns))
 
 
 def engine_files(

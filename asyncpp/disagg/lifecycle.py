@@ -8,7 +8,8 @@ SIGTERM drain the router (whoever reads that line may signal at once), and
 serves until drained, or answers `--prompt` once; `stop` always runs, in
 order: the HTTP front end, the router (or its bare client port, if it never
 started), the children (SIGTERM within their grace period plus a margin,
-then SIGKILL), the working directory.
+then SIGKILL), the working directory. `exit_code` runs a launcher's
+coroutine and turns what stops it early into the exit code and one line.
 """
 
 from __future__ import annotations
@@ -18,18 +19,33 @@ import asyncio
 import shutil
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncpp.config import EngineConfig
-from asyncpp.disagg.child import EngineChild, watch_exit
+import uvloop
+
+from asyncpp.config import ConfigError, EngineConfig
+from asyncpp.disagg.child import EngineChild, EngineStartError, watch_exit
 from asyncpp.disagg.link import EngineLink
 from asyncpp.front_ends import http_url, one_shot, start_http, stop_http
 from asyncpp.wire.queues import RouterQueue
 
 CHILD_STOP_MARGIN_S = 15.0  # beyond an engine's grace period before it is killed
+
+
+def exit_code(launcher: Coroutine[Any, Any, int]) -> int:
+    """Run `launcher` to its exit code; a bad config or a port in use found before the engines start
+    is exit 2, an engine that cannot start its own (1, or 2 for its bad config), each said in one line."""
+    try:
+        return uvloop.run(launcher)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except EngineStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if e.exit_code == 2 else 1
 
 
 def on_signals(handler: Callable[[], Any]) -> None:

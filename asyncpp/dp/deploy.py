@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import tomllib
 from pathlib import Path
 
-import uvloop
-
-from asyncpp.config import ConfigError, EngineConfig
+from asyncpp.config import EngineConfig
 from asyncpp.disagg.child import EngineChild, EngineStartError
-from asyncpp.disagg.lifecycle import Deployment, on_signals
+from asyncpp.disagg.lifecycle import Deployment, exit_code, on_signals
 from asyncpp.disagg.link import EngineLink
 from asyncpp.dp.config import check_dp, replica_cpus, replica_sections
 from asyncpp.dp.router import LOG_ROLE, DPRouter
@@ -49,24 +46,16 @@ HEALTH_TIMEOUT_S = 2.0  # no reply within it: the replica is dead
 def main(config: EngineConfig, ns: argparse.Namespace) -> int:
     """After `asyncpp.launch` read `config` (from `ns.config`, with the command line's HTTP settings)
     and configured logging."""
-    try:
-        check_dp(config)
-        return uvloop.run(run(config, ns))
-    except ConfigError as e:  # a bad replica config, or a port in use (found before the replicas start)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except EngineStartError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if e.exit_code == 2 else 1
+    return exit_code(run(config, ns))  # a refused setting, a bad replica config or a port in use: exit 2
 
 
 def replica_files(
-    config: EngineConfig, config_path: str, workdir: Path, engine_secret: str
+    config: EngineConfig, config_path: str, workdir: Path, engine_secret: str, cpu_ids: list[int]
 ) -> tuple[list[Path], list[tuple[int, ...] | None]]:
-    """Each replica's config file (in `workdir`) and its CPUs (None: they share the launcher's)."""
+    """Each replica's config file (in `workdir`) and its CPUs of `cpu_ids` (None: they share the launcher's)."""
     sections = tomllib.loads(Path(config_path).read_text())
     parallel = config.parallel
-    shares = replica_cpus(usable_cpu_ids(), parallel.dp_size, parallel.pp_size * parallel.num_threads)
+    shares = replica_cpus(cpu_ids, parallel.dp_size, parallel.pp_size * parallel.num_threads)
     paths = []
     for i in range(parallel.dp_size):
         path = workdir / f"replica-{i}.toml"
@@ -77,6 +66,7 @@ def replica_files(
 
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     log = get_logger(role="dp_launch")
+    check_dp(config)
     check_http_port(config)  # both ports before any replica starts
     port = config.server.port if ns.port is None else ns.port
     queue = bind_client_port(config.server.host, port, MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))
@@ -84,7 +74,12 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     deployment = Deployment(queue, [], Path(tempfile.mkdtemp(prefix="asyncpp-dp-")))
     try:
         engine_secret = config.server.engine_secret or new_secret()
-        paths, cpus = replica_files(config, ns.config, deployment.workdir, engine_secret)
+        cpu_ids = usable_cpu_ids()
+        paths, cpus = replica_files(config, ns.config, deployment.workdir, engine_secret, cpu_ids)
+        if cpus[0] is None:  # too few CPUs for a share each: their threads compete for every core
+            p = config.parallel
+            log.warning("dp_cpus_shared", num_replicas=p.dp_size, threads_each=p.pp_size * p.num_threads,
+                        num_cpus=len(cpu_ids), hint="fewer replicas, or parallel.pp_size = 1")  # fmt: skip
         log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
         log_args += ["--log-file", ns.log_file] if ns.log_file else []
         deployment.children = children = [
@@ -106,10 +101,6 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         except TimeoutError as e:
             raise EngineStartError(str(e)) from e
         deployment.watch(links)
-        if cpus[0] is None:  # too few CPUs for a share each: their threads compete for every core
-            p = config.parallel
-            log.warning("dp_cpus_shared", num_replicas=p.dp_size, threads_each=p.pp_size * p.num_threads,
-                        num_cpus=len(usable_cpu_ids()), hint="fewer replicas, or parallel.pp_size = 1")  # fmt: skip
         log.info("dp_ready", address=router.address, replicas=addresses, cpus=[list(c) if c else None for c in cpus])
         each = f"; each {children[0].ready_detail}" if children[0].ready_detail else ""
         ready = (f"asyncpp ready: clients connect to {router.address} (data-parallel router: "

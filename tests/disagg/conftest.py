@@ -20,10 +20,11 @@ PREFILL_HANDSHAKE = EngineHandshake("prefill-0", 1, [])
 DECODE_HANDSHAKE = EngineHandshake("decode-0", 1, [])
 
 
-class RouterSetup:
-    def __init__(self, prefill: FakeEngine, decode: FakeEngine, router: PDRouter) -> None:
-        self.prefill = prefill
-        self.decode = decode
+class FakeEnginesSetup:
+    """A router in front of fake engines, its clients; `close` stops them all."""
+
+    def __init__(self, engines: list[FakeEngine], router) -> None:
+        self.engines = engines
         self.router = router
         self.clients: list[AsyncClient] = []
         self.serving: asyncio.Task | None = None
@@ -40,8 +41,15 @@ class RouterSetup:
         await self.router.close()
         for client in self.clients:
             client.close()
-        self.prefill.close()
-        self.decode.close()
+        for engine in self.engines:
+            engine.close()
+
+
+class RouterSetup(FakeEnginesSetup):
+    def __init__(self, prefill: FakeEngine, decode: FakeEngine, router: PDRouter) -> None:
+        super().__init__([prefill, decode], router)
+        self.prefill = prefill
+        self.decode = decode
 
 
 def make_router(prefill: FakeEngine, decode: FakeEngine, **health) -> PDRouter:

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from asyncpp.client import AsyncClient
 from asyncpp.disagg.link import EngineLink
 from asyncpp.dp.router import DPRouter
 from asyncpp.wire.queues import RouterQueue
+from tests.disagg.conftest import FakeEnginesSetup
 from tests.disagg.fakes import ENGINE_SECRET, FakeEngine
 
 
@@ -21,27 +21,10 @@ def fake_replica(index: int) -> FakeEngine:
     return engine.start()
 
 
-class DPSetup:
+class DPSetup(FakeEnginesSetup):
     def __init__(self, replicas: list[FakeEngine], router: DPRouter) -> None:
+        super().__init__(replicas, router)
         self.replicas = replicas
-        self.router = router
-        self.clients: list[AsyncClient] = []
-        self.serving: asyncio.Task | None = None
-
-    def client(self) -> AsyncClient:
-        client = AsyncClient(self.router.address)
-        self.clients.append(client)
-        return client
-
-    async def close(self) -> None:
-        await self.router.drain_and_stop(0.0)
-        if self.serving is not None:
-            await self.serving
-        await self.router.close()
-        for client in self.clients:
-            client.close()
-        for replica in self.replicas:
-            replica.close()
 
 
 def make_router(replicas: list[FakeEngine]) -> DPRouter:
