@@ -95,7 +95,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
                        health_timeout_s=HEALTH_TIMEOUT_S, log_role=LOG_ROLE)
             for child, address in zip(children, addresses)
         ]  # fmt: skip
-        deployment.router = router = DPRouter(queue, links)
+        deployment.router = router = DPRouter(queue, links, config.scheduler.max_num_batched_tokens)
         try:
             await router.connect(START_TIMEOUT_S)
         except TimeoutError as e:

@@ -2,8 +2,9 @@
 
 It speaks the engine's client protocol, so a client (or the HTTP front end)
 cannot tell it from an engine. Each request goes whole to one replica: the
-live replica with the fewest of the router's requests unfinished, the next
-one in turn on a tie (so equal loads alternate). The replicas run the same
+live one that would sample its first token soonest, by the prompt tokens
+queued there and its requests decoding (`placement.py`), then the fewest
+unfinished, then the next in turn (so equal loads alternate). The replicas run the same
 config, and every path of an engine is batch-invariant, so which replica
 serves a request never changes its tokens. The request goes as the client
 sent it (prompt, sampling params, `kv_transfer_params`) under an id the
@@ -32,6 +33,7 @@ from typing import Any
 from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router_base import Routed, RouterBase, engine_stats
 from asyncpp.disagg.translate import error_reply
+from asyncpp.dp.placement import ReplicaLoads, prompt_tokens
 from asyncpp.dp.stats import RouterCounters, merged_stats
 from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, StatsReply, StatsRequest
 from asyncpp.wire.queues import RouterQueue
@@ -42,6 +44,8 @@ LOG_ROLE = "dp_router"
 @dataclass(eq=False)
 class ReplicaRequest(Routed):
     replica: int = 0  # index into `DPRouter.replicas`
+    prompt_tokens: int = 0  # as `ReplicaLoads` counts it
+    prefilled: bool = False  # its first delta came back
 
     def log_context(self) -> dict[str, Any]:
         return {"replica": self.replica}
@@ -52,14 +56,14 @@ class DPRouter(RouterBase):
     id_tag = "dp"
     no_remote_engines = "a data-parallel router takes no remote engines"
 
-    def __init__(self, queue: RouterQueue, replicas: list[EngineLink]) -> None:
+    def __init__(self, queue: RouterQueue, replicas: list[EngineLink], step_budget: int) -> None:
+        """`step_budget`: the replicas' `scheduler.max_num_batched_tokens`."""
         if not replicas:
             raise ValueError("a data-parallel router needs at least one replica")
         super().__init__(queue, replicas, RouterCounters())
         self.replicas = replicas
-        self.num_unfinished = [0] * len(replicas)  # the router's requests on each replica
+        self.loads = ReplicaLoads(len(replicas), step_budget)
         self.num_routed = [0] * len(replicas)
-        self._next = 0  # where the search for the least loaded starts: ties go in turn
         for link in replicas:
             link.on_dead = self._replica_dead
             link.on_answer = self._replica_answers
@@ -84,25 +88,21 @@ class DPRouter(RouterBase):
     def add_request(self, peer: bytes, msg: GenerateRequest) -> ErrorReply | None:
         if (error := self.refusal(peer, msg)) is not None:
             return error
-        replica = self.choose()
+        tokens = prompt_tokens(msg.prompt)
+        replica = self.loads.choose([link.is_alive for link in self.replicas], tokens)
         if replica is None:
             reasons = "; ".join(link.dead_message() for link in self.replicas)
             return ErrorReply(msg.request_id, f"every replica is dead: {reasons}", "engine_dead")
-        req = ReplicaRequest(peer, msg, self.engine_request_id(msg.request_id), replica=replica)
-        self.num_unfinished[replica] += 1
+        req = ReplicaRequest(peer, msg, self.engine_request_id(msg.request_id), replica=replica, prompt_tokens=tokens)
+        self.loads.queued(replica, tokens)
         self.num_routed[replica] += 1
         self.start(req, self._route(req))
         return None
 
-    def choose(self) -> int | None:
-        """The live replica with the fewest unfinished requests, the first from `_next` on a tie; None if none lives."""
-        n = len(self.replicas)
-        live = [i for i in ((self._next + k) % n for k in range(n)) if self.replicas[i].is_alive]
-        if not live:
-            return None
-        best = min(live, key=lambda i: self.num_unfinished[i])  # min keeps the first of equals
-        self._next = (best + 1) % n
-        return best
+    @property
+    def num_unfinished(self) -> list[int]:
+        """The router's requests on each replica."""
+        return [self.loads.num_unfinished(i) for i in range(len(self.replicas))]
 
     async def _route(self, req: ReplicaRequest) -> None:
         link, msg = self.replicas[req.replica], req.msg
@@ -110,6 +110,9 @@ class DPRouter(RouterBase):
         async with contextlib.aclosing(stream):
             try:
                 async for delta in stream:
+                    if not req.prefilled:
+                        req.prefilled = True
+                        self.loads.prefilled(req.replica, req.prompt_tokens)
                     if delta.finished:
                         self._finished(req)
                     self.front.push_delta(req.peer, msg.request_id, delta)
@@ -119,7 +122,7 @@ class DPRouter(RouterBase):
 
     def _forget(self, req: ReplicaRequest) -> None:
         super()._forget(req)
-        self.num_unfinished[req.replica] -= 1
+        self.loads.ended(req.replica, req.prompt_tokens, req.prefilled)
 
     # ---- replicas --------------------------------------------------------------------------
     def _replica_dead(self, link: EngineLink) -> None:
@@ -137,7 +140,9 @@ class DPRouter(RouterBase):
         router = {
             **self.counters.stats(),
             "dp_size": len(self.replicas),
-            "dp_num_unfinished": list(self.num_unfinished),
+            "dp_num_unfinished": self.num_unfinished,
+            "dp_queued_prompt_tokens": list(self.loads.queued_tokens),
+            "dp_num_decoding": list(self.loads.num_decoding),
             "dp_num_routed": list(self.num_routed),
             "dp_replicas": [{"address": link.address, "dead_reason": link.dead_reason} for link in self.replicas],
             "is_dead": not any(link.is_alive for link in self.replicas),

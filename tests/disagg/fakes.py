@@ -9,7 +9,7 @@ A decode engine given awaited params (`{"do_remote_prefill": true, ...}`, the ea
 waits for the request's `RemotePrefillDone` and checks its params instead.
 The prompt "prefill error" ("decode error") makes that engine answer `FakeEngine.error` instead. `gate` (cleared) holds a
 role's requests before their first delta (prefill) or after it (decode) until set, so a test
-can act in either phase. `kill()` stops answering anything, as a killed process would.
+can act in either phase; `first_gate` (cleared) holds a decode engine's before their first delta. `kill()` stops answering anything, as a killed process would.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ class FakeEngine:
         self.error = ErrorReply(None, "prompt: the fake refuses it", "invalid_request", "prompt")
         self.gate = asyncio.Event()
         self.gate.set()
+        self.first_gate = asyncio.Event()
+        self.first_gate.set()
         self.num_handshake_requests = 0
         self.prefills_done: list[RemotePrefillDone] = []  # decode: the early handovers it got
         self._awaited: dict[str, asyncio.Future] = {}
@@ -144,6 +146,7 @@ class FakeEngine:
                 await self.queue.put(peer, ErrorReply(rid, error, "invalid_request", "kv_transfer_params"))
                 return
             first, *rest = decode_deltas(rid)
+            await self.first_gate.wait()
             await self.queue.put(peer, RequestDeltas.of([first]))
             await self.gate.wait()
             for delta in rest:  # one frame per "step"

@@ -13,6 +13,9 @@ from tests.disagg.conftest import FakeEnginesSetup
 from tests.disagg.fakes import ENGINE_SECRET, FakeEngine
 
 
+STEP_BUDGET = 128  # the replicas' max_num_batched_tokens, as the router is told
+
+
 def fake_replica(index: int) -> FakeEngine:
     """A fake whole engine: three deltas per request (`decode_deltas`), no KV params expected."""
     engine = FakeEngine(f"replica {index}")
@@ -30,7 +33,7 @@ class DPSetup(FakeEnginesSetup):
 def make_router(replicas: list[FakeEngine]) -> DPRouter:
     queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
     links = [EngineLink(e.role, e.address, engine_secret=ENGINE_SECRET, log_role="dp_router") for e in replicas]
-    return DPRouter(queue, links)
+    return DPRouter(queue, links, STEP_BUDGET)
 
 
 async def serving(num_replicas: int) -> DPSetup:

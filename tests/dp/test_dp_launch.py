@@ -46,14 +46,20 @@ async def test_replicas_serve_like_one_engine_then_survive_a_dead_replica(tmp_pa
         assert "data-parallel router: 2 replicas" in "".join(dp.output)
         client = AsyncClient(dp.address)
         try:
-            # Every prompt at once, twice: the router alternates, so each prompt runs on both replicas.
+            # Every prompt at once, twice: both replicas serve some of them.
             results, stats = await collect_all(dp.address, prompts + prompts, GREEDY)
             assert [r[0] for r in results] == greedy + greedy
-            assert stats["dp_num_routed"] == [6, 6] and stats["dp_num_finished"] == 12
+            assert 0 not in stats["dp_num_routed"] and stats["dp_num_finished"] == 12
             pids = [r["pid"] for r in stats["replicas"]]
             assert len(set(pids)) == 2 and stats["num_kv_blocks"] == sum(r["num_kv_blocks"] for r in stats["replicas"])
-            results, _ = await collect_all(dp.address, prompts + prompts, SEEDED)
-            assert [r[0] for r in results] == seeded + seeded  # seeded sampling too, on either replica
+            # Each prompt twice at once, one prompt after another: the second copy goes to the replica
+            # without a prompt queued, so every prompt runs on both (seeded sampling too).
+            before = stats["dp_num_routed"]
+            for prompt, expected in zip(prompts, seeded):
+                results, stats = await collect_all(dp.address, [prompt, prompt], SEEDED)
+                assert [r[0] for r in results] == [expected, expected]
+                assert [b - a for a, b in zip(before, stats["dp_num_routed"])] == [1, 1]
+                before = stats["dp_num_routed"]
             assert await client.health()
 
             # The HTTP front end talks to the router; /metrics sums the replicas.

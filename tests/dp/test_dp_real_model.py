@@ -25,9 +25,11 @@ async def test_real_model_replicas_each_answer_as_the_pipeline(tmp_path, real_pp
     with launched(tmp_path, sections, ready_timeout_s=300) as dp:
         client = AsyncClient(dp.address)
         try:
-            # Each chat twice in a row, all at once: the router alternates, so each lands on both replicas.
-            doubled = [chat for chat in CHATS for _ in range(2)]
-            results = await asyncio.wait_for(asyncio.gather(*(collect(client, c, GREEDY) for c in doubled)), 180)
+            # Each chat twice at once, one chat after another: the second copy goes to the replica
+            # without a prompt queued, so each chat runs on both replicas.
+            results = []
+            for chat in CHATS:
+                results += await asyncio.wait_for(asyncio.gather(*(collect(client, chat, GREEDY) for _ in range(2))), 180)
             stats = await client.stats()
         finally:
             client.close()

@@ -73,6 +73,43 @@ async def test_many_at_once_spread_evenly():
         await setup.close()
 
 
+async def test_a_long_prompt_goes_to_the_replica_only_decoding_not_the_one_prefilling(dp: DPSetup):
+    client = dp.client()
+    loads = dp.router.loads
+    dp.replicas[0].gate.clear()  # replica 0 holds its requests after their first delta: decoding
+    dp.replicas[1].first_gate.clear()  # replica 1 holds them before it: prefilling
+    long_prompt = list(range(3, 1003))
+    a = asyncio.create_task(collect(client, request_id="a"))
+    await until(lambda: loads.num_decoding == [1, 0], what="a decoding on replica 0")
+    b = asyncio.create_task(collect(client, long_prompt, request_id="b"))  # 1 / 128 steps against 1 / 127
+    await until(lambda: loads.queued_tokens == [0, 1000], what="b queued on replica 1")
+    c = asyncio.create_task(collect(client, request_id="c"))  # 1 / 127 against 1001 / 128
+    await until(lambda: loads.num_decoding == [2, 0], what="c decoding on replica 0")
+    assert dp.router.num_unfinished == [2, 1]
+    d = asyncio.create_task(collect(client, long_prompt, request_id="d"))  # 1000 / 126 against 2000 / 128
+    await until(lambda: len(held(dp, 0)) == 3, what="d on replica 0")
+    assert held(dp, 1) == [held(dp, 1)[0]] and dp.router.num_unfinished == [3, 1]
+    stats = await client.stats()
+    assert stats["dp_queued_prompt_tokens"] == [0, 1000] and stats["dp_num_decoding"] == [3, 0]
+    dp.replicas[0].gate.set()
+    dp.replicas[1].first_gate.set()
+    assert await asyncio.gather(a, b, c, d) == [decode_deltas(rid) for rid in "abcd"]
+    assert loads.queued_tokens == [0, 0] and loads.num_queued == [0, 0] and loads.num_decoding == [0, 0]
+
+
+async def test_a_request_ended_before_its_first_delta_leaves_no_queued_tokens(dp: DPSetup):
+    dp.replicas[0].first_gate.clear()
+    client = dp.client()
+    task = asyncio.create_task(collect(client, list(range(3, 503)), request_id="gone"))
+    await until(lambda: dp.router.loads.queued_tokens == [500, 0], what="queued on replica 0")
+    await client.abort("gone")
+    await until(lambda: dp.router.requests == {}, what="the abort")
+    assert dp.router.loads.queued_tokens == [0, 0] and dp.router.num_unfinished == [0, 0]
+    assert dp.router.counters.num_aborted == 1
+    dp.replicas[0].first_gate.set()
+    task.cancel()
+
+
 @pytest.mark.parametrize("error", [
     ErrorReply(None, "prompt: the fake refuses it", "invalid_request", "prompt"),
     ErrorReply(None, "the prompt is too long", "too_long", None),
@@ -269,4 +306,4 @@ async def test_start_up_waits_for_every_replica_and_names_the_silent_one():
 
 def test_a_router_needs_a_replica():
     with pytest.raises(ValueError, match="at least one replica"):
-        DPRouter(None, [])
+        DPRouter(None, [], 128)
