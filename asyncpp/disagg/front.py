@@ -3,7 +3,8 @@
 Like the engine's `ClientPort`, but a request is known by (client, request
 id), not by its id alone: the router multiplexes many clients onto two
 engines under ids of its own, so two clients may both use "req-1". Frames
-that do not decode get an `ErrorReply` naming what is wrong; generate and
+that do not decode get an `ErrorReply` naming what is wrong (under the
+request's id where the frame's head names one that is not in flight); generate and
 abort messages go to the `RouterSink`, request/reply messages to their
 handlers (each in its own task: the router's replies wait on its engines).
 
@@ -40,6 +41,9 @@ class RouterSink(Protocol):
     def drop_peer(self, peer: bytes) -> None:
         """The client is gone: abort its requests."""
 
+    def is_live(self, peer: bytes, request_id: str) -> bool:
+        """The client has a request of this id in flight."""
+
 
 ReplyHandlers = dict[type, Callable[[Any], Awaitable[Any]]]
 
@@ -58,8 +62,14 @@ class ClientFront:
         while True:
             peer, msg = await self.queue.get()
             if isinstance(msg, WireError):
-                self.log.warning("bad_frame", peer=peer.hex(), error=str(msg))
-                self.push_error(peer, ErrorReply(None, str(msg), "bad_frame"))
+                # A request that does not decode (a prompt of the wrong type) fails under its own id, as
+                # in an engine, so that its client's stream ends; not under a live request's id, which
+                # the client would take for that request's end.
+                request_id = msg.request_id if msg.tag == GenerateRequest.WIRE_TAG else None
+                if request_id is not None and self.sink.is_live(peer, request_id):
+                    request_id = None
+                self.log.warning("bad_frame", peer=peer.hex(), request_id=request_id, error=str(msg))
+                self.push_error(peer, ErrorReply(request_id, str(msg), "bad_frame"))
             elif isinstance(msg, GenerateRequest):
                 if (error := self.sink.add_request(peer, msg)) is not None:
                     self.push_error(peer, error)

@@ -152,6 +152,9 @@ class RouterBase:
             self.log.debug("request_aborted", request_id=req.engine_request_id, **req.log_context())
             req.task.cancel()  # closing its engine stream aborts it there
 
+    def is_live(self, peer: bytes, request_id: str) -> bool:
+        return (peer, request_id) in self.requests
+
     def drop_peer(self, peer: bytes) -> None:
         gone = [key for key in self.requests if key[0] == peer]
         for _, request_id in gone:

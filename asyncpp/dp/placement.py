@@ -30,10 +30,13 @@ CHARS_PER_TOKEN = 4  # a text prompt's estimated tokens: its characters / this (
 
 
 def prompt_tokens(prompt: Any) -> int:
-    """The prompt's tokens: exact for token ids, estimated for text or chat messages (at least 1)."""
+    """The prompt's tokens: exact for token ids, estimated for text or chat messages (at least 1). A
+    prompt of any other shape counts as 1: the replica it goes to refuses it with its own error."""
     if isinstance(prompt, str):
         return max(1, len(prompt) // CHARS_PER_TOKEN)
-    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+    if not isinstance(prompt, list):
+        return 1
+    if prompt and all(isinstance(m, dict) for m in prompt):
         return max(1, sum(len(str(m.get("content", ""))) for m in prompt) // CHARS_PER_TOKEN)
     return max(1, len(prompt))
 

@@ -21,6 +21,10 @@ ALL_LIVE = [True, True]
         ("ab", 1),
         ([{"role": "system", "content": "x" * 8}, {"role": "user", "content": "y" * 12}], 20 // CHARS_PER_TOKEN),
         ([{"role": "user"}], 1),
+        ([{"role": "user", "content": "z" * 9}, 7], 2),  # not all messages: its length
+        (None, 1),  # not a prompt: the replica refuses it
+        (12345, 1),
+        ({"prompt": "x" * 40}, 1),
     ],
 )
 def test_prompt_tokens_exact_for_ids_estimated_for_text(prompt, tokens):

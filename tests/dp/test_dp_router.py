@@ -110,6 +110,23 @@ async def test_a_request_ended_before_its_first_delta_leaves_no_queued_tokens(dp
     task.cancel()
 
 
+@pytest.mark.parametrize("prompt", [12345, None, {"text": "hi"}, [1.5, "x"]])
+async def test_a_prompt_of_the_wrong_type_fails_alone_and_reaches_no_replica(dp: DPSetup, prompt):
+    client = dp.client()
+    dp.replicas[0].gate.clear()
+    held_request = asyncio.create_task(collect(client, request_id="same"))
+    await until(lambda: dp.router.num_unfinished == [1, 0], what="a live request")
+    with pytest.raises(InvalidRequestError, match="prompt"):  # the router cannot read it: under its id
+        await asyncio.wait_for(collect(client, prompt, request_id="odd"), 5)
+    # A bad frame under a live request's id names no request: that one runs on.
+    await client._put(GenerateRequest("same", prompt, PARAMS))
+    await until(lambda: len(client.unrouted_errors) == 1, what="the unrouted error")
+    assert client.unrouted_errors[0].request_id is None and client.unrouted_errors[0].kind == "bad_frame"
+    dp.replicas[0].gate.set()
+    assert await held_request == decode_deltas("same")
+    assert [len(held(dp, i)) for i in (0, 1)] == [1, 0] and dp.router.loads.queued_tokens == [0, 0]
+
+
 @pytest.mark.parametrize("error", [
     ErrorReply(None, "prompt: the fake refuses it", "invalid_request", "prompt"),
     ErrorReply(None, "the prompt is too long", "too_long", None),
