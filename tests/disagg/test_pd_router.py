@@ -56,6 +56,14 @@ async def test_decode_deltas_reach_the_client_unchanged_and_params_verbatim(pd: 
     assert decode.kv_transfer_params == PREFILL_PARAMS
 
 
+async def test_a_request_that_does_not_decode_fails_under_its_own_id(pd: RouterSetup):
+    error = await raw_error(pd.router.address, GenerateRequest("odd", 12345, PARAMS))  # a prompt of no known type
+    assert (error.request_id, error.kind) == ("odd", "bad_frame") and "prompt" in error.message
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        await asyncio.wait_for(collect(pd.client(), None, request_id="none"), 5)
+    assert pd.prefill.received == [] and pd.decode.received == [] and pd.router.requests == {}
+
+
 async def test_a_request_that_stops_at_its_first_token_ends_at_the_prefill(pd: RouterSetup):
     pd.prefill.finish_reason, pd.prefill.kv_transfer_params = "stop", None
     assert await collect(pd.client(), request_id="r") == [RequestDelta("r", "z", [7], True, "stop", None, None, 5, 0)]
