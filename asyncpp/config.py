@@ -89,7 +89,7 @@ class ModelConfig:
 class ParallelConfig:
     pp_size: int = 1  # pipeline stages, one process each
     # Data parallelism: this many engines (replicas, each with pp_size stages) behind one router
-    # that sends each request to the least loaded (`asyncpp.dp`); 1 = one engine.
+    # that sends each request where its first token comes soonest (`asyncpp.dp`); 1 = one engine.
     dp_size: int = 1
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
