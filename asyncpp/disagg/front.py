@@ -4,8 +4,8 @@ Like the engine's `ClientPort`, but a request is known by (client, request
 id), not by its id alone: the router multiplexes many clients onto two
 engines under ids of its own, so two clients may both use "req-1". Frames
 that do not decode get an `ErrorReply` naming what is wrong (under the
-request's id where the frame's head names one that is not in flight); generate and
-abort messages go to the `RouterSink`, request/reply messages to their
+request's id where the frame's head names one not in flight, as in an
+engine: `bad_frame_reply`); generate and abort messages go to the `RouterSink`, request/reply messages to their
 handlers (each in its own task: the router's replies wait on its engines).
 
 Out, everything for one client goes through one ordered outbox, flushed by
@@ -23,7 +23,14 @@ from dataclasses import fields
 from typing import Any, Protocol
 
 from asyncpp.logging import get_logger
-from asyncpp.wire.client_msgs import AbortRequest, ErrorReply, GenerateRequest, RequestDelta, RequestDeltas
+from asyncpp.wire.client_msgs import (
+    AbortRequest,
+    ErrorReply,
+    GenerateRequest,
+    RequestDelta,
+    RequestDeltas,
+    bad_frame_reply,
+)
 from asyncpp.wire.codec import WireError
 from asyncpp.wire.queues import PeerGoneError, RouterQueue
 
@@ -61,15 +68,10 @@ class ClientFront:
     async def serve(self) -> None:
         while True:
             peer, msg = await self.queue.get()
-            if isinstance(msg, WireError):
-                # A request that does not decode (a prompt of the wrong type) fails under its own id, as
-                # in an engine, so that its client's stream ends; not under a live request's id, which
-                # the client would take for that request's end.
-                request_id = msg.request_id if msg.tag == GenerateRequest.WIRE_TAG else None
-                if request_id is not None and self.sink.is_live(peer, request_id):
-                    request_id = None
-                self.log.warning("bad_frame", peer=peer.hex(), request_id=request_id, error=str(msg))
-                self.push_error(peer, ErrorReply(request_id, str(msg), "bad_frame"))
+            if isinstance(msg, WireError):  # as in an engine: under the request's id, if not a live one's
+                reply = bad_frame_reply(msg, lambda request_id: self.sink.is_live(peer, request_id))
+                self.log.warning("bad_frame", peer=peer.hex(), request_id=reply.request_id, error=str(msg))
+                self.push_error(peer, reply)
             elif isinstance(msg, GenerateRequest):
                 if (error := self.sink.add_request(peer, msg)) is not None:
                     self.push_error(peer, error)

@@ -48,6 +48,7 @@ from asyncpp.wire.client_msgs import (
     KVHandshakeRequest,
     RemotePrefillDone,
     RequestDeltas,
+    bad_frame_reply,
 )
 from asyncpp.wire.client_auth import ENGINE
 from asyncpp.wire.codec import WireError
@@ -123,11 +124,9 @@ class ClientPort:
 
     async def _handle(self, peer: bytes, role: str, msg: Any) -> None:
         if isinstance(msg, WireError):
-            request_id = msg.request_id if msg.tag == GenerateRequest.WIRE_TAG else None
-            if request_id is not None and self.ids.engine_id(peer, request_id) is not None:
-                request_id = None  # the client would take it for the end of its live request
-            self.log.warning("bad_frame", peer=peer.hex(), request_id=request_id, error=str(msg))
-            await self.router.put(peer, ErrorReply(request_id, str(msg), "bad_frame"))
+            reply = bad_frame_reply(msg, lambda request_id: self.ids.engine_id(peer, request_id) is not None)
+            self.log.warning("bad_frame", peer=peer.hex(), request_id=reply.request_id, error=str(msg))
+            await self.router.put(peer, reply)
         elif isinstance(msg, GenerateRequest):
             await self._admit(peer, msg)
         elif isinstance(msg, AbortRequest):

@@ -5,19 +5,20 @@ plain sampling parameters; the engine answers with `RequestDelta`s until one
 has `finished`, or an `ErrorReply`. Deltas travel in `RequestDeltas`
 frames: one per client per completed step, carrying every delta of that
 step for that client's requests (in step order per request), so a client
-with many requests costs one send per step, not one per token. Frames the
-engine cannot decode get an `ErrorReply` with `request_id` None.
+with many requests costs one send per step, not one per token. A frame the
+engine (or a router) cannot decode gets a "bad_frame" `ErrorReply`
+(`bad_frame_reply`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any
 
 from asyncpp.kv_transfer.handshake import EngineHandshake
-from asyncpp.wire.codec import message
+from asyncpp.wire.codec import WireError, message
 from asyncpp.worker.outputs import Logprobs
 
 
@@ -124,6 +125,16 @@ class ErrorReply:
     message: str
     kind: str = "invalid_request"  # invalid_request | bad_frame | engine_dead | forbidden | internal
     field: str | None = None
+
+
+def bad_frame_reply(error: WireError, is_live: Callable[[str], bool]) -> ErrorReply:
+    """The reply to a frame that does not decode: under the request's own id where its head still
+    names a request not in flight (`is_live(id)` false), so that its client's stream ends with it;
+    else under none (a live request's client would take the error for that request's end)."""
+    request_id = error.request_id if error.tag == GenerateRequest.WIRE_TAG else None
+    if request_id is not None and is_live(request_id):
+        request_id = None
+    return ErrorReply(request_id, str(error), "bad_frame")
 
 
 @message("health_reply")
