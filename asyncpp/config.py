@@ -74,9 +74,9 @@ class ModelConfig:
             raise ConfigError(f"model.weight_format must be one of {_WEIGHT_FORMATS}, got {self.weight_format!r}")
         if not _is_device_name(self.device):
             raise ConfigError(f"model.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _positive("model.max_model_len", self.max_model_len)
+        _at_least(1, "model.max_model_len", self.max_model_len)
         for n in self.cuda_graph_sizes:
-            _positive("model.cuda_graph_sizes entries", n)
+            _at_least(1, "model.cuda_graph_sizes entries", n)
         if list(self.cuda_graph_sizes) != sorted(set(self.cuda_graph_sizes)):
             raise ConfigError(f"model.cuda_graph_sizes must be increasing and distinct, got {list(self.cuda_graph_sizes)}")
 
@@ -91,6 +91,10 @@ class ParallelConfig:
     # Data parallelism: this many engines (replicas, each with pp_size stages) behind one router
     # that sends each request where its first token comes soonest (`asyncpp.dp`); 1 = one engine.
     dp_size: int = 1
+    # With dp_size > 1: one more engine of this many stages, on every CPU, takes each prompt of at least
+    # long_prompt_tokens, whose prefill then runs on all those cores (a replica's on its own); 0 = none.
+    long_prompt_pp_size: int = 0
+    long_prompt_tokens: int = 512  # a prompt of at least this many tokens is long (estimated for text)
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
     num_threads: int = 1  # torch threads per stage process (CPU)
     # CPU: a lone cohort's steps run with every stage's threads (pp_size * num_threads) where
@@ -135,8 +139,12 @@ class ParallelConfig:
     token_handoff: str = "auto"
 
     def __post_init__(self) -> None:
-        _positive("parallel.pp_size", self.pp_size)
-        _positive("parallel.dp_size", self.dp_size)
+        _at_least(1, "parallel.pp_size", self.pp_size)
+        _at_least(1, "parallel.dp_size", self.dp_size)
+        _at_least(1, "parallel.long_prompt_tokens", self.long_prompt_tokens)
+        _at_least(0, "parallel.long_prompt_pp_size", self.long_prompt_pp_size)
+        if self.long_prompt_pp_size and self.dp_size == 1:  # it is an engine beside the replicas
+            raise ConfigError("parallel.long_prompt_pp_size needs parallel.dp_size > 1")
         if self.token_handoff not in _TOKEN_HANDOFFS:
             raise ConfigError(f"parallel.token_handoff must be one of {_TOKEN_HANDOFFS}, got {self.token_handoff!r}")
         if self.backend not in _BACKENDS:
@@ -152,26 +160,21 @@ class ParallelConfig:
         for d in self.devices:
             if not _is_device_name(d):
                 raise ConfigError(f"parallel.devices entries must be 'cpu' or 'cuda[:N]', got {d!r}")
-        _positive("parallel.num_threads", self.num_threads)
+        _at_least(1, "parallel.num_threads", self.num_threads)
         for key in ("step_timeout_s", "restart_window_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ConfigError(f"parallel.{key} must be a positive number of seconds, got {value!r}")
-        if self.max_stage_restarts < 0:
-            raise ConfigError(f"parallel.max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
+        _at_least(0, "parallel.max_stage_restarts", self.max_stage_restarts)
         if not 0 <= self.max_steps_in_flight <= self.pp_size + 1:
-            raise ConfigError(
-                f"parallel.max_steps_in_flight must be 0 (= pp_size) or 1..pp_size + 1 = {self.pp_size + 1}, "
-                f"got {self.max_steps_in_flight}"
-            )
+            bounds = f"0 (= pp_size) or 1..pp_size + 1 = {self.pp_size + 1}"
+            raise ConfigError(f"parallel.max_steps_in_flight must be {bounds}, got {self.max_steps_in_flight}")
         if not 0 <= self.stage_nice <= 19:
             raise ConfigError(f"parallel.stage_nice must be in 0..19, got {self.stage_nice}")
         if self.layer_split and len(self.layer_split) != self.pp_size:
-            raise ConfigError(
-                f"parallel.layer_split has {len(self.layer_split)} entries but parallel.pp_size is {self.pp_size}"
-            )
+            raise ConfigError(f"parallel.layer_split has {len(self.layer_split)} entries but parallel.pp_size is {self.pp_size}")
         for n in self.layer_split:
-            _positive("parallel.layer_split entries", n)
+            _at_least(1, "parallel.layer_split entries", n)
         if self.shift_layers < -1:
             raise ConfigError(f"parallel.shift_layers must be >= 0 (or -1, auto), got {self.shift_layers}")
 
@@ -184,10 +187,9 @@ class CacheConfig:
     num_kv_blocks_override: int = 0  # > 0: use exactly this many blocks (tests, debugging)
 
     def __post_init__(self) -> None:
-        _positive("cache.block_size", self.block_size)
-        _positive("cache.kv_cache_memory_mb", self.kv_cache_memory_mb)
-        if self.num_kv_blocks_override < 0:
-            raise ConfigError(f"cache.num_kv_blocks_override must be >= 0, got {self.num_kv_blocks_override}")
+        _at_least(1, "cache.block_size", self.block_size)
+        _at_least(1, "cache.kv_cache_memory_mb", self.kv_cache_memory_mb)
+        _at_least(0, "cache.num_kv_blocks_override", self.num_kv_blocks_override)
 
 
 @dataclass(frozen=True)
@@ -207,8 +209,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.async_output not in ("auto", "on", "off"):
             raise ConfigError(f"scheduler.async_output must be 'auto', 'on' or 'off', got {self.async_output!r}")
-        _positive("scheduler.max_num_seqs", self.max_num_seqs)
-        _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        _at_least(1, "scheduler.max_num_seqs", self.max_num_seqs)
+        _at_least(1, "scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)
@@ -235,9 +237,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"server.http_port must be in 0..65535 (0 = no HTTP server), got {self.http_port}")
-        if self.max_queued_requests < 0:
-            raise ConfigError(f"server.max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        _positive("server.max_frame_bytes", self.max_frame_bytes)
+        _at_least(0, "server.max_queued_requests", self.max_queued_requests)
+        _at_least(1, "server.max_frame_bytes", self.max_frame_bytes)
         if not self.client_secret and not is_loopback(self.host):
             raise ConfigError(
                 f"server.host {self.host!r} is not loopback: set server.client_secret so that only clients "
@@ -360,9 +361,7 @@ class EngineConfig:
         if len(kinds) > 1:
             raise ConfigError(f"parallel.devices mixes device kinds {sorted(kinds)}: every stage must be on CPU or on CUDA")
         if self.parallel.devices and kinds != {self.model.device.split(":")[0]}:
-            raise ConfigError(
-                f"parallel.devices {list(self.parallel.devices)} do not match model.device {self.model.device!r}"
-            )
+            raise ConfigError(f"parallel.devices {list(self.parallel.devices)} do not match model.device {self.model.device!r}")
         if (
             not self.scheduler.enable_chunked_prefill
             and self.scheduler.max_num_batched_tokens < self.model.max_model_len
@@ -493,6 +492,6 @@ def _is_device_name(name: str) -> bool:
     return name in ("cpu", "cuda") or (kind == "cuda" and index.isdigit())
 
 
-def _positive(key: str, value: int) -> None:
-    if value < 1:
-        raise ConfigError(f"{key} must be >= 1, got {value}")
+def _at_least(minimum: int, key: str, value: int) -> None:
+    if value < minimum:
+        raise ConfigError(f"{key} must be >= {minimum}, got {value}")

@@ -6,7 +6,8 @@
 # bfloat16, and asyncpp's default deployment (configs/default.toml) at the CPU's best ISA level
 # ("asyncpp-auto"), again with model.cpu_isa = "avx2" ("asyncpp-avx2"), and as one stage with two
 # threads ("asyncpp-pp1": pp_size = 1, num_threads = 2) and as two one-stage replicas behind a router ("asyncpp-dp2":
-# pp_size = 1, dp_size = 2, one CPU each), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
+# pp_size = 1, dp_size = 2, one CPU each) and those with a two-stage engine on both CPUs for the long prompts
+# ("asyncpp-dp2long": long_prompt_pp_size = 2), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
 # out, ignore_eos, greedy, a new set of prompts per concurrency (seed = concurrency: no run finds its
 # prompts in a prefix cache the run before filled). Every server is driven over its OpenAI API by the same client
 # ($PEERS/load.py, `vllm bench serve`'s metrics), so asyncpp's figures include its HTTP front end.
@@ -84,13 +85,14 @@ for r in $(seq 1 "$ROUNDS"); do
     done
   fi
 
-  for variant in auto avx2 pp1 dp2; do
+  for variant in auto avx2 pp1 dp2 dp2long; do
     skip "asyncpp-$variant" && continue
     config="$OUT/asyncpp-$variant.toml"
     case $variant in
       avx2) sed 's/^cpu_isa = "auto"/cpu_isa = "avx2"/' "$ROOT/configs/default.toml" > "$config" ;;
       pp1) sed -e 's/^pp_size = 2/pp_size = 1/' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
       dp2) sed -e 's/^pp_size = 2/pp_size = 1\ndp_size = 2/' "$ROOT/configs/default.toml" > "$config" ;;
+      dp2long) sed -e 's/^pp_size = 2/pp_size = 1\ndp_size = 2\nlong_prompt_pp_size = 2/' "$ROOT/configs/default.toml" > "$config" ;;
       *) cp "$ROOT/configs/default.toml" "$config" ;;
     esac
     log="$OUT/asyncpp-$variant-r$r.log"

@@ -26,12 +26,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1", "asyncpp-dp2")
+SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1", "asyncpp-dp2",
+           "asyncpp-dp2long")
 PEERS = ("llamacpp", "vllm-float32", "vllm-bfloat16")
 CONCURRENCIES = (1, 16, 64)
 DEFAULT = "asyncpp-auto"
 # The other deployments of the same model, each against the default (item 4: which one wins, by workload).
-ALTERNATIVES = (("asyncpp-pp1", "one stage"), ("asyncpp-dp2", "two replicas"))
+ALTERNATIVES = (("asyncpp-pp1", "one stage"), ("asyncpp-dp2", "two replicas"),
+                ("asyncpp-dp2long", "two replicas, long prompts on two stages"))
 
 Rounds = dict[int, dict]  # round -> that round's load.py result
 TPOT, OUTPUT, TTFT, P99 = "tpot_ms_mean", "output_tok_s", "ttft_ms_mean", "ttft_ms_p99"

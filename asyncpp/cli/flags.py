@@ -52,6 +52,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _integer(text, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def port_number(text: str) -> int:
     value = _integer(text, "a port number")
     if not 0 <= value <= 65535:
@@ -83,6 +90,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--data-parallel-size", "-dp", "--dp-size", "--dp"), "parallel.dp_size",
          "engines (replicas) behind one router that sends each request where its first token comes soonest",
          positive_int, metavar="N"),
+    Flag(("--long-prompt-pp-size",), "parallel.long_prompt_pp_size",
+         "with -dp: one more engine of N stages, on every core, takes the long prompts (0 = none)",
+         non_negative_int, metavar="N"),
+    Flag(("--long-prompt-tokens",), "parallel.long_prompt_tokens",
+         "prompts of at least N tokens are long (default 512)", positive_int, metavar="N"),
     Flag(("--max-model-len", "--context-length", "--ctx-size", "-c"), "model.max_model_len",
          "the longest prompt plus answer, in tokens", positive_int, metavar="N"),
     Flag(("--dtype",), "model.dtype", "auto | float32 | bfloat16 | float16 (auto: bfloat16 where the CPU computes it)",

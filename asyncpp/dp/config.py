@@ -13,6 +13,11 @@ tables are the deployment's with:
   fewer CPUs than their stages' threads together): threads of two replicas
   pinned to the same cores would collide.
 
+The long-prompt replica (`parallel.long_prompt_pp_size`) is derived the same
+way, with that many stages over every CPU (`layer_split` balanced,
+`max_steps_in_flight` its own default) and its KV store's subdirectory
+`long-prompts`.
+
 A prefill/decode role (`kv_transfer.kv_role`) is refused: the router passes no
 KV handshakes between engines. Each derived config is validated here, so a
 bad value fails before anything starts.
@@ -41,20 +46,29 @@ def replica_sections(
     sections: dict[str, Any], index: int, engine_secret: str, *, share_cpus: bool
 ) -> dict[str, Any]:
     """Replica `index`'s tables (valid for `config_from_dict`, else `ConfigError` naming the replica)."""
+    parallel = {"pin_threads": False} if share_cpus else {}
+    return _derived(sections, f"replica-{index}", engine_secret, parallel)
+
+
+def long_prompt_sections(sections: dict[str, Any], pp_size: int, engine_secret: str) -> dict[str, Any]:
+    """The long-prompt replica's tables: `pp_size` stages, balanced."""
+    parallel = {"pp_size": pp_size, "layer_split": [], "max_steps_in_flight": 0}
+    return _derived(sections, "long-prompts", engine_secret, parallel)
+
+
+def _derived(sections: dict[str, Any], name: str, engine_secret: str, parallel: dict[str, Any]) -> dict[str, Any]:
     derived = copy.deepcopy(sections)
-    parallel = derived.setdefault("parallel", {})
-    parallel["dp_size"] = 1
-    if share_cpus:
-        parallel["pin_threads"] = False
+    derived.setdefault("parallel", {}).update(parallel, dp_size=1)
+    derived["parallel"].pop("long_prompt_pp_size", None)  # one engine: none beside it
     server = derived.setdefault("server", {})
     server.update(port=0, http_port=0, engine_secret=engine_secret)
     kv = derived.get("kv_transfer", {})
     if kv.get("store") == "dir" and kv.get("store_path"):
-        kv["store_path"] = str(Path(kv["store_path"]) / f"replica-{index}")
+        kv["store_path"] = str(Path(kv["store_path"]) / name)
     try:
         config_from_dict(derived)
     except ConfigError as e:
-        raise ConfigError(f"replica {index}: {e}") from e
+        raise ConfigError(f"{name.replace('-', ' ')}: {e}") from e
     return derived
 
 

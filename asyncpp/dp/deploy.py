@@ -5,7 +5,8 @@ is bound, and `server.http_port` tried, before anything starts (a port in use
 is exit 2 naming its key). Each replica's derived config
 (`asyncpp.dp.config`) goes into a temporary directory of the launcher's own
 (it holds the engine secret); the replicas start as child launchers on free
-ports, each bound to CPUs of its own when there are enough, and once every
+ports, each bound to CPUs of its own when there are enough (a long-prompt
+replica, `parallel.long_prompt_pp_size`, gets every CPU), and once every
 one is ready and healthy the HTTP front end (when asked) starts against the
 router, the router prints its ready line and serves (or answers `--prompt`
 once).
@@ -29,7 +30,8 @@ from asyncpp.config import EngineConfig
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.lifecycle import Deployment, exit_code, on_signals
 from asyncpp.disagg.link import EngineLink
-from asyncpp.dp.config import check_dp, replica_cpus, replica_sections
+from asyncpp.dp.config import check_dp, long_prompt_sections, replica_cpus, replica_sections
+from asyncpp.dp.placement import LongPrompts
 from asyncpp.dp.router import LOG_ROLE, DPRouter
 from asyncpp.front_ends import bind_client_port, check_http_port
 from asyncpp.logging import get_logger
@@ -52,7 +54,8 @@ def main(config: EngineConfig, ns: argparse.Namespace) -> int:
 def replica_files(
     config: EngineConfig, config_path: str, workdir: Path, engine_secret: str, cpu_ids: list[int]
 ) -> tuple[list[Path], list[tuple[int, ...] | None]]:
-    """Each replica's config file (in `workdir`) and its CPUs of `cpu_ids` (None: they share the launcher's)."""
+    """Each replica's config file (in `workdir`) and its CPUs of `cpu_ids` (None: they share the
+    launcher's); the long-prompt replica's last, on every CPU."""
     sections = tomllib.loads(Path(config_path).read_text())
     parallel = config.parallel
     shares = replica_cpus(cpu_ids, parallel.dp_size, parallel.pp_size * parallel.num_threads)
@@ -61,7 +64,13 @@ def replica_files(
         path = workdir / f"replica-{i}.toml"
         path.write_text(to_toml(replica_sections(sections, i, engine_secret, share_cpus=shares is None)))
         paths.append(path)
-    return paths, list(shares) if shares is not None else [None] * parallel.dp_size
+    cpus = list(shares) if shares is not None else [None] * parallel.dp_size
+    if parallel.long_prompt_pp_size:
+        path = workdir / "long-prompts.toml"
+        path.write_text(to_toml(long_prompt_sections(sections, parallel.long_prompt_pp_size, engine_secret)))
+        paths.append(path)
+        cpus.append(None)
+    return paths, cpus
 
 
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
@@ -76,16 +85,17 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         engine_secret = config.server.engine_secret or new_secret()
         cpu_ids = usable_cpu_ids()
         paths, cpus = replica_files(config, ns.config, deployment.workdir, engine_secret, cpu_ids)
+        p = config.parallel
         if cpus[0] is None:  # too few CPUs for a share each: their threads compete for every core
-            p = config.parallel
             log.warning("dp_cpus_shared", num_replicas=p.dp_size, threads_each=p.pp_size * p.num_threads,
                         num_cpus=len(cpu_ids), hint="fewer replicas, or parallel.pp_size = 1")  # fmt: skip
         log_args = ["--log-format", ns.log_format, "--log-level", ns.log_level]
         log_args += ["--log-file", ns.log_file] if ns.log_file else []
+        names = [f"replica {i}" for i in range(p.dp_size)] + ["long-prompt replica"] * bool(p.long_prompt_pp_size)
         deployment.children = children = [
-            EngineChild(f"replica {i}", ["--config", str(path), *log_args], cpus=cpus[i],
+            EngineChild(name, ["--config", str(path), *log_args], cpus=cpus[i],
                         prefix_output=ns.log_format == "console", log_role="dp_launch")
-            for i, path in enumerate(paths)
+            for i, (name, path) in enumerate(zip(names, paths))
         ]  # fmt: skip
         for child in children:
             await child.start()
@@ -95,7 +105,8 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
                        health_timeout_s=HEALTH_TIMEOUT_S, log_role=LOG_ROLE)
             for child, address in zip(children, addresses)
         ]  # fmt: skip
-        deployment.router = router = DPRouter(queue, links, config.scheduler.max_num_batched_tokens)
+        long_prompts = LongPrompts(p.dp_size, p.long_prompt_tokens) if p.long_prompt_pp_size else None
+        deployment.router = router = DPRouter(queue, links, config.scheduler.max_num_batched_tokens, long_prompts)
         try:
             await router.connect(START_TIMEOUT_S)
         except TimeoutError as e:
@@ -103,8 +114,10 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
         deployment.watch(links)
         log.info("dp_ready", address=router.address, replicas=addresses, cpus=[list(c) if c else None for c in cpus])
         each = f"; each {children[0].ready_detail}" if children[0].ready_detail else ""
+        long = (f"; prompts of {p.long_prompt_tokens}+ tokens: {p.long_prompt_pp_size} stages, {addresses[-1]}"
+                if long_prompts else "")  # fmt: skip
         ready = (f"asyncpp ready: clients connect to {router.address} (data-parallel router: "
-                 f"{len(addresses)} replicas, {', '.join(addresses)}{each})")  # fmt: skip
+                 f"{p.dp_size} replicas, {', '.join(addresses[:p.dp_size])}{long}{each})")  # fmt: skip
         return await deployment.serve(config, ns, ns.config, ready)  # its file: dp_size sets its in-flight limit
     except asyncio.CancelledError:
         log.info("dp_start_interrupted")

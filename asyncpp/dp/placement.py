@@ -18,6 +18,12 @@ Counting only requests (least unfinished) sends a long prompt to a replica that 
 another one rather than to one that is only decoding, where it would start at once; with short
 prompts and a busy replica the two choices agree. Prompts come as token ids from the HTTP front
 end; a text or chat prompt counts as one token per `CHARS_PER_TOKEN` characters.
+
+With a long-prompt replica (`parallel.long_prompt_pp_size`: an engine of several stages over every
+core the replicas use), `LongPrompts` narrows the choice first: a prompt of at least `min_tokens`
+goes to it, whose stages prefill the prompt's chunks on all the cores at once (a replica's prefill
+runs on its own cores only), and every other prompt to the replicas. When the side it belongs to
+has no live replica, the prompt goes to the other side.
 """
 
 from __future__ import annotations
@@ -39,6 +45,20 @@ def prompt_tokens(prompt: Any) -> int:
     if prompt and all(isinstance(m, dict) for m in prompt):
         return max(1, sum(len(str(m.get("content", ""))) for m in prompt) // CHARS_PER_TOKEN)
     return max(1, len(prompt))
+
+
+@dataclass(frozen=True)
+class LongPrompts:
+    """Prompts of at least `min_tokens` go to replica `replica` (the long-prompt one), others elsewhere."""
+
+    replica: int
+    min_tokens: int
+
+    def eligible(self, live: list[bool], tokens: int) -> list[bool]:
+        """Which of the `live` replicas a prompt of `tokens` may go to (module docstring)."""
+        is_long = [i == self.replica for i in range(len(live))]
+        side = [ok and is_long[i] == (tokens >= self.min_tokens) for i, ok in enumerate(live)]
+        return side if any(side) else live
 
 
 @dataclass

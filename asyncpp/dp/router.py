@@ -4,9 +4,12 @@ It speaks the engine's client protocol, so a client (or the HTTP front end)
 cannot tell it from an engine. Each request goes whole to one replica: the
 live one that would sample its first token soonest, by the prompt tokens
 queued there and its requests decoding (`placement.py`), then the fewest
-unfinished, then the next in turn (so equal loads alternate). The replicas run the same
-config, and every path of an engine is batch-invariant, so which replica
-serves a request never changes its tokens. The request goes as the client
+unfinished, then the next in turn (so equal loads alternate). With a
+long-prompt replica (an engine of several stages over every core), prompts of
+at least its `min_tokens` go to it and the others to the rest. The replicas
+run the same config but for that one's `pp_size`, and every path of an engine
+is batch-invariant at any pp size, so which replica serves a request never
+changes its tokens. The request goes as the client
 sent it (prompt, sampling params, `kv_transfer_params`) under an id the
 router makes (`<client id>.dp<router id>.<n>`: two clients may use the same
 id, and no other router, nor this one restarted, makes an id a live request
@@ -27,13 +30,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from asyncpp.disagg.link import EngineLink
 from asyncpp.disagg.router_base import Routed, RouterBase, engine_stats
 from asyncpp.disagg.translate import error_reply
-from asyncpp.dp.placement import ReplicaLoads, prompt_tokens
+from asyncpp.dp.placement import LongPrompts, ReplicaLoads, prompt_tokens
 from asyncpp.dp.stats import RouterCounters, merged_stats
 from asyncpp.wire.client_msgs import ErrorReply, GenerateRequest, StatsReply, StatsRequest
 from asyncpp.wire.queues import RouterQueue
@@ -56,12 +59,18 @@ class DPRouter(RouterBase):
     id_tag = "dp"
     no_remote_engines = "a data-parallel router takes no remote engines"
 
-    def __init__(self, queue: RouterQueue, replicas: list[EngineLink], step_budget: int) -> None:
-        """`step_budget`: the replicas' `scheduler.max_num_batched_tokens`."""
+    def __init__(
+        self, queue: RouterQueue, replicas: list[EngineLink], step_budget: int, long_prompts: LongPrompts | None = None
+    ) -> None:
+        """`step_budget`: the replicas' `scheduler.max_num_batched_tokens`; `long_prompts`: which of
+        `replicas` takes the long prompts (None: none does)."""
         if not replicas:
             raise ValueError("a data-parallel router needs at least one replica")
+        if long_prompts is not None and not 0 <= long_prompts.replica < len(replicas):
+            raise ValueError(f"no replica {long_prompts.replica} for the long prompts among {len(replicas)}")
         super().__init__(queue, replicas, RouterCounters())
         self.replicas = replicas
+        self.long_prompts = long_prompts
         self.loads = ReplicaLoads(len(replicas), step_budget)
         self.num_routed = [0] * len(replicas)
         for link in replicas:
@@ -89,7 +98,8 @@ class DPRouter(RouterBase):
         if (error := self.refusal(peer, msg)) is not None:
             return error
         tokens = prompt_tokens(msg.prompt)
-        replica = self.loads.choose([link.is_alive for link in self.replicas], tokens)
+        live = [link.is_alive for link in self.replicas]
+        replica = self.loads.choose(self.long_prompts.eligible(live, tokens) if self.long_prompts else live, tokens)
         if replica is None:
             reasons = "; ".join(link.dead_message() for link in self.replicas)
             return ErrorReply(msg.request_id, f"every replica is dead: {reasons}", "engine_dead")
@@ -139,7 +149,8 @@ class DPRouter(RouterBase):
         replicas = await asyncio.gather(*(engine_stats(link) for link in self.replicas))
         router = {
             **self.counters.stats(),
-            "dp_size": len(self.replicas),
+            "dp_size": len(self.replicas) - (self.long_prompts is not None),
+            "dp_long_prompts": asdict(self.long_prompts) if self.long_prompts else None,
             "dp_num_unfinished": self.num_unfinished,
             "dp_queued_prompt_tokens": list(self.loads.queued_tokens),
             "dp_num_decoding": list(self.loads.num_decoding),

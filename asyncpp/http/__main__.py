@@ -46,8 +46,11 @@ def served_model_name(config: EngineConfig) -> str:
 
 def max_in_flight(config: EngineConfig) -> int:
     """Requests the server takes at once: what every engine behind it runs (`dp_size` replicas of
-    `max_num_seqs` each, behind a data-parallel router) plus `server.max_queued_requests`."""
-    return config.scheduler.max_num_seqs * config.parallel.dp_size + config.server.max_queued_requests
+    `max_num_seqs` each, and a long-prompt one, behind a data-parallel router) plus
+    `server.max_queued_requests`."""
+    parallel = config.parallel
+    num_engines = parallel.dp_size + (parallel.long_prompt_pp_size > 0)
+    return config.scheduler.max_num_seqs * num_engines + config.server.max_queued_requests
 
 
 def main(argv: list[str] | None = None) -> int:

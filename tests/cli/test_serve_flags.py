@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from asyncpp.cli import main as asyncpp_main
-from asyncpp.cli.flags import FLAGS, dest, json_object, port_number, positive_int
+from asyncpp.cli.flags import FLAGS, dest, json_object, non_negative_int, port_number, positive_int
 from asyncpp.cli.serve import build_parser, kv_transfer_section, resolve_model, sections_for
 from asyncpp.cli.serve import main as serve_main
 from asyncpp.config import ConfigError, config_from_dict
@@ -23,7 +23,7 @@ SAMPLE = {  # a value each flag takes
     "server.api_key": "k", "server.served_model_name": "smol", "parallel.pp_size": "3", "model.max_model_len": "1024",
     "model.dtype": "float32", "scheduler.max_num_seqs": "7", "speculative": '{"method": "ngram"}',
     "kv_transfer": '{"kv_connector": "offload"}', "server.port": "5999",
-    "parallel.dp_size": "2",
+    "parallel.dp_size": "2", "parallel.long_prompt_pp_size": "2", "parallel.long_prompt_tokens": "300",
 }  # fmt: skip
 
 
@@ -62,6 +62,8 @@ def test_the_flags_land_on_their_keys_over_the_default_deployment():
     default = config_from_dict(sections())
     assert default.server.http_port == 8000 and default.server.port == 0  # vLLM's port; any free engine port
     assert default.parallel.pp_size == 2 and default.cache.enable_prefix_caching  # the default deployment's
+    long = config_from_dict(sections("-dp", "2", "--long-prompt-pp-size", "2", "--long-prompt-tokens", "300")).parallel
+    assert (long.dp_size, long.long_prompt_pp_size, long.long_prompt_tokens) == (2, 2, 300)
 
 
 def test_a_config_file_is_the_base_and_flags_override_it(tmp_path):
@@ -100,6 +102,7 @@ def test_models_by_file_directory_package_and_name(tmp_path, tiny_hf_dir):
     [
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["-pp", "0"], "--pipeline-parallel-size/-pp/--pp-size: must be >= 1"),
+        (["--long-prompt-pp-size", "-2"], "--long-prompt-pp-size: must be >= 0, got -2"),
         (["--port", "70000"], "--port: must be in 0..65535"),
         (["--port", "0"], "--port: must be in 1..65535 (asyncpp serve always serves HTTP), got 0"),
         (["--max-num-seqs", "many"], "--max-num-seqs/--max-running-requests/--parallel/-np: not an integer"),
@@ -175,9 +178,10 @@ def test_abbreviated_flags_are_refused_and_the_log_defaults(capsys):
 
 
 def test_flag_value_types_at_their_edges():
-    assert (positive_int("1"), port_number("0"), port_number("65535")) == (1, 0, 65535)
+    assert (positive_int("1"), port_number("0"), port_number("65535"), non_negative_int("0")) == (1, 0, 65535, 0)
     for parse, text, says in ((port_number, "65536", "must be in 0..65535"), (port_number, "-1", "must be in 0..65535"),
                               (port_number, "http", "not a port number: 'http'"), (positive_int, "0", "must be >= 1"),
+                              (non_negative_int, "-1", "must be >= 0, got -1"), (non_negative_int, "x", "not an integer"),
                               (json_object, "[1]", "must be a JSON object, got list")):  # fmt: skip
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
             parse(text)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from asyncpp.disagg.link import EngineLink
+from asyncpp.dp.placement import LongPrompts
 from asyncpp.dp.router import DPRouter
 from asyncpp.wire.queues import RouterQueue
 from tests.disagg.conftest import FakeEnginesSetup
@@ -30,15 +31,15 @@ class DPSetup(FakeEnginesSetup):
         self.replicas = replicas
 
 
-def make_router(replicas: list[FakeEngine]) -> DPRouter:
+def make_router(replicas: list[FakeEngine], long_prompts: LongPrompts | None = None) -> DPRouter:
     queue = RouterQueue("tcp://127.0.0.1:0", 1 << 20)
     links = [EngineLink(e.role, e.address, engine_secret=ENGINE_SECRET, log_role="dp_router") for e in replicas]
-    return DPRouter(queue, links, STEP_BUDGET)
+    return DPRouter(queue, links, STEP_BUDGET, long_prompts)
 
 
-async def serving(num_replicas: int) -> DPSetup:
+async def serving(num_replicas: int, long_prompts: LongPrompts | None = None) -> DPSetup:
     replicas = [fake_replica(i) for i in range(num_replicas)]
-    setup = DPSetup(replicas, make_router(replicas))
+    setup = DPSetup(replicas, make_router(replicas, long_prompts))
     await setup.router.connect(5.0)
     setup.serving = asyncio.create_task(setup.router.serve())
     return setup

@@ -102,6 +102,19 @@ async def test_replicas_serve_like_one_engine_then_survive_a_dead_replica(tmp_pa
     wait_until(lambda: not any(pid_alive(p) for p in survivors), 10, "every replica process gone")
 
 
+async def test_long_prompts_run_on_the_long_prompt_replica_with_the_same_tokens(tmp_path, tiny_hf_dir, prompts):
+    greedy = [r.token_ids for r in Engine(tiny_config(tiny_hf_dir)).generate(prompts, GREEDY)]
+    parallel = {"dp_size": 2, "long_prompt_pp_size": 2, "long_prompt_tokens": 33}  # prompts of 33, 48, 61, 70 tokens
+    with launched(tmp_path, dp_sections(tiny_hf_dir, parallel=parallel)) as dp:
+        assert re.search(r"2 replicas, \S+, \S+; prompts of 33\+ tokens: 2 stages, tcp://", "".join(dp.output))
+        results, stats = await collect_all(dp.address, prompts + prompts, GREEDY)
+        assert [r[0] for r in results] == greedy + greedy
+        is_long = [len(p) >= 33 for p in prompts]
+        assert stats["dp_num_routed"][2] == 2 * sum(is_long) and sum(stats["dp_num_routed"][:2]) == 2 * is_long.count(False)
+        assert stats["dp_long_prompts"] == {"replica": 2, "min_tokens": 33}
+        assert [len(r["stage_pids"]) for r in stats["replicas"]] == [1, 1, 2]
+
+
 def test_a_prefill_decode_role_exits_2(tmp_path, tiny_hf_dir, capsys):
     config = tmp_path / "dp.toml"
     kv = {"connector": "pd_stub", "module": "tests.disagg.stub_connector", "kv_role": "consumer"}
