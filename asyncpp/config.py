@@ -93,6 +93,7 @@ class ParallelConfig:
     dp_size: int = 1
     # With dp_size > 1: one more engine of this many stages, on every CPU, takes each prompt of at least
     # long_prompt_tokens, whose prefill then runs on all those cores (a replica's on its own); 0 = none.
+    # One engine (dp_size 1) has nothing beside it: then it does not apply.
     long_prompt_pp_size: int = 0
     long_prompt_tokens: int = 512  # a prompt of at least this many tokens is long (estimated for text)
     layer_split: tuple[int, ...] = ()  # layers per stage; () = as even as possible
@@ -143,8 +144,6 @@ class ParallelConfig:
         _at_least(1, "parallel.dp_size", self.dp_size)
         _at_least(1, "parallel.long_prompt_tokens", self.long_prompt_tokens)
         _at_least(0, "parallel.long_prompt_pp_size", self.long_prompt_pp_size)
-        if self.long_prompt_pp_size and self.dp_size == 1:  # it is an engine beside the replicas
-            raise ConfigError("parallel.long_prompt_pp_size needs parallel.dp_size > 1")
         if self.token_handoff not in _TOKEN_HANDOFFS:
             raise ConfigError(f"parallel.token_handoff must be one of {_TOKEN_HANDOFFS}, got {self.token_handoff!r}")
         if self.backend not in _BACKENDS:

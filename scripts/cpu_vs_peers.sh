@@ -3,11 +3,12 @@
 #
 # asyncpp against the servers its users would pick instead, on this machine, in one sitting:
 # llama.cpp's llama-server (the GGUF's Q4_1 weights, 2 threads), vLLM CPU at float32 and at
-# bfloat16, and asyncpp's default deployment (configs/default.toml) at the CPU's best ISA level
-# ("asyncpp-auto"), again with model.cpu_isa = "avx2" ("asyncpp-avx2"), and as one stage with two
-# threads ("asyncpp-pp1": pp_size = 1, num_threads = 2) and as two one-stage replicas behind a router ("asyncpp-dp2":
-# pp_size = 1, dp_size = 2, one CPU each) and those with a two-stage engine on both CPUs for the long prompts
-# ("asyncpp-dp2long": long_prompt_pp_size = 2), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
+# bfloat16, and asyncpp's default deployment (configs/default.toml: two one-stage replicas behind a
+# router, one CPU each, and a two-stage engine on both CPUs for the long prompts) at the CPU's best
+# ISA level ("asyncpp-auto"), again with model.cpu_isa = "avx2" ("asyncpp-avx2"), as one stage with two
+# threads ("asyncpp-pp1": dp_size = 1, num_threads = 2), as one engine of two stages ("asyncpp-pp2":
+# dp_size = 1, pp_size = 2, the default before 2026-11-30) and as the replicas alone ("asyncpp-dp2":
+# long_prompt_pp_size = 0), each at concurrency 1, 16 and 64: 64 random words in, 64 tokens
 # out, ignore_eos, greedy, a new set of prompts per concurrency (seed = concurrency: no run finds its
 # prompts in a prefix cache the run before filled). Every server is driven over its OpenAI API by the same client
 # ($PEERS/load.py, `vllm bench serve`'s metrics), so asyncpp's figures include its HTTP front end.
@@ -85,14 +86,14 @@ for r in $(seq 1 "$ROUNDS"); do
     done
   fi
 
-  for variant in auto avx2 pp1 dp2 dp2long; do
+  for variant in auto avx2 pp1 pp2 dp2; do
     skip "asyncpp-$variant" && continue
     config="$OUT/asyncpp-$variant.toml"
     case $variant in
       avx2) sed 's/^cpu_isa = "auto"/cpu_isa = "avx2"/' "$ROOT/configs/default.toml" > "$config" ;;
-      pp1) sed -e 's/^pp_size = 2/pp_size = 1/' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
-      dp2) sed -e 's/^pp_size = 2/pp_size = 1\ndp_size = 2/' "$ROOT/configs/default.toml" > "$config" ;;
-      dp2long) sed -e 's/^pp_size = 2/pp_size = 1\ndp_size = 2\nlong_prompt_pp_size = 2/' "$ROOT/configs/default.toml" > "$config" ;;
+      pp1) sed -e 's/^dp_size = 2 /dp_size = 1 /' -e 's/^num_threads = 1/num_threads = 2/' "$ROOT/configs/default.toml" > "$config" ;;
+      pp2) sed -e 's/^dp_size = 2 /dp_size = 1 /' -e 's/^pp_size = 1 /pp_size = 2 /' "$ROOT/configs/default.toml" > "$config" ;;
+      dp2) sed -e 's/^long_prompt_pp_size = 2 /long_prompt_pp_size = 0 /' "$ROOT/configs/default.toml" > "$config" ;;
       *) cp "$ROOT/configs/default.toml" "$config" ;;
     esac
     log="$OUT/asyncpp-$variant-r$r.log"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,18 @@ def tiny_prompts(vocab_size: int, num_prompts: int = 8, seed: int = 0) -> list[l
     g = torch.Generator().manual_seed(seed)
     lengths = [3, 17, 9, 33, 70, 5, 48, 24, 12, 61, 7, 40][:num_prompts]
     return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+
+def default_pipeline_sections() -> dict:
+    """The default deployment's pipeline (its long-prompt replica: two stages over both cores) as one
+    engine's tables, on free ports, as the default's launcher derives them."""
+    from asyncpp.dp.config import long_prompt_sections
+
+    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
+    return long_prompt_sections(sections, sections["parallel"]["long_prompt_pp_size"], engine_secret="")
 
 
 def has_cuda() -> bool:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from asyncpp.config import AUTO_SHIFT_LAYERS, ConfigError, EngineConfig, config_from_dict, load_config
 from asyncpp.disagg.config import is_disagg_config, load_disagg_config
+from tests.conftest import default_pipeline_sections
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "default.toml"
@@ -30,8 +30,11 @@ def test_default_config_is_the_documented_deployment():
     config = load_config(CONFIGS / "default.toml")
     assert (config.model.source, config.model.dtype, config.model.device) == ("gguf", "auto", "cpu")
     assert (config.model.cpu_isa, config.model.weight_format) == ("auto", "auto")
-    assert config.parallel.pp_size == 2 and config.parallel.num_threads == 1
-    assert config.steps_in_flight == 2  # one cohort per stage
+    assert (config.parallel.dp_size, config.parallel.pp_size, config.parallel.num_threads) == (2, 1, 1)
+    assert (config.parallel.long_prompt_pp_size, config.parallel.long_prompt_tokens) == (2, 512)
+    pipeline = config_from_dict(default_pipeline_sections())  # the long prompts' engine
+    assert (pipeline.parallel.dp_size, pipeline.parallel.pp_size, pipeline.steps_in_flight) == (1, 2, 2)
+    assert pipeline.shift_layers == AUTO_SHIFT_LAYERS and pipeline.server.port == 0
     assert config.server.host == "127.0.0.1"
     assert config.parallel.step_timeout_s == 60.0  # generous: a long prompt chunk on a slow CPU
 
@@ -129,12 +132,12 @@ def test_auto_shift_layers_takes_what_the_deployment_allows_and_a_value_set_is_r
         config_from_dict({"parallel": {"pp_size": 2, "shift_layers": 4, "backend": "ray"}})
 
 
-def test_the_default_deployment_with_only_the_ray_backend_set_is_a_valid_config():
-    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
+def test_the_default_pipeline_with_only_the_ray_backend_set_is_a_valid_config():
+    sections = default_pipeline_sections()
     sections["parallel"]["backend"] = "ray"
     config = config_from_dict(sections)
     assert config.parallel.shift_layers == -1 and config.shift_layers == 0
-    assert config_from_dict(tomllib.loads(DEFAULT_CONFIG.read_text())).shift_layers == AUTO_SHIFT_LAYERS
+    assert config_from_dict(default_pipeline_sections()).shift_layers == AUTO_SHIFT_LAYERS
 
 
 def test_what_shift_layers_comes_to_is_logged_once_at_start_up():

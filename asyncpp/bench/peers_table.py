@@ -11,8 +11,8 @@ OUT_DIR/table.md:
 - per round, each of issue #54's targets as a ratio: c1 TPOT over
   llama.cpp's, c16 and c64 output over the round's faster peer, long-prompt
   mean and p99 TTFT over the faster peer's (the lower); then each other
-  deployment (one stage with two threads, two one-stage replicas) over the
-  default (item 4: which one wins, by workload) and over the faster peer.
+  deployment (one stage with two threads, one engine of two stages, the
+  replicas without the long-prompt engine) over the default (item 4: which one wins, by workload) and over the faster peer.
 
 A ratio is taken within a round, so that a slow spell of the shared machine
 falls on both sides of it; a round missing either side is left out.
@@ -26,14 +26,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1", "asyncpp-dp2",
-           "asyncpp-dp2long")
+SERVERS = ("llamacpp", "vllm-float32", "vllm-bfloat16", "asyncpp-auto", "asyncpp-avx2", "asyncpp-pp1", "asyncpp-pp2",
+           "asyncpp-dp2")
 PEERS = ("llamacpp", "vllm-float32", "vllm-bfloat16")
 CONCURRENCIES = (1, 16, 64)
 DEFAULT = "asyncpp-auto"
 # The other deployments of the same model, each against the default (item 4: which one wins, by workload).
-ALTERNATIVES = (("asyncpp-pp1", "one stage"), ("asyncpp-dp2", "two replicas"),
-                ("asyncpp-dp2long", "two replicas, long prompts on two stages"))
+ALTERNATIVES = (("asyncpp-pp1", "one stage"), ("asyncpp-pp2", "one engine of two stages"),
+                ("asyncpp-dp2", "the replicas alone"))
 
 Rounds = dict[int, dict]  # round -> that round's load.py result
 TPOT, OUTPUT, TTFT, P99 = "tpot_ms_mean", "output_tok_s", "ttft_ms_mean", "ttft_ms_p99"
@@ -134,8 +134,8 @@ def tables(out: Path) -> str:
         head = "long prompts (1000 words in, 16 out, concurrency 4): TTFT mean, p99 (ms), total tok/s; median of rounds:"
         parts += ["", head, *rows]
     if rows := target_rows(results, long):
-        head = ("asyncpp's default against the targets; one stage with two threads, and two one-stage replicas, "
-                "against it and the peers:")  # fmt: skip
+        head = ("asyncpp's default against the targets; one stage with two threads, one engine of two stages, "
+                "and the replicas alone, against it and the peers:")  # fmt: skip
         parts += ["", head, *rows]
     return "\n".join(parts) + "\n"
 

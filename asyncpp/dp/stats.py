@@ -5,9 +5,10 @@ waiting, KV blocks, the connector's and drafts' totals, stage restarts) reads
 the deployment's whole: counts are summed over the replicas that answer
 (`num_*` keys, the KV connector's block and byte totals, `stage_restarts`,
 `cpu_s`; draft acceptance per position element by element; recovery times
-joined). The other values that describe the engine (dtype, ISA, compute plan)
-are the first answering replica's; what names one process (`pid`,
-`stage_pids`, `run_id`, `uptime_s`, `layer_balance`) is left to each replica's
+and `stage_pids` joined, so a benchmark measures every stage's CPU). The other
+values that describe the engine (dtype, ISA, compute plan) are the first
+answering replica's; what names one process (`pid`, `run_id`, `uptime_s`,
+`layer_balance`) is left to each replica's
 own stats, all of them under "replicas" (None where a replica does not
 answer). The router's own counters are `dp_*`.
 """
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SUMMED = frozenset({"kv_blocks_loaded", "kv_bytes_loaded", "kv_blocks_saved", "kv_bytes_saved", "stage_restarts", "cpu_s"})
-JOINED = frozenset({"stage_recovery_s"})
+JOINED = frozenset({"stage_recovery_s", "stage_pids"})
 ELEMENTWISE = frozenset({"spec_decode_num_accepted_tokens_per_pos"})
-PER_PROCESS = frozenset({"pid", "stage_pids", "run_id", "uptime_s", "layer_balance", "is_dead"})
+PER_PROCESS = frozenset({"pid", "run_id", "uptime_s", "layer_balance", "is_dead"})
 
 
 @dataclass

@@ -49,7 +49,7 @@ def max_in_flight(config: EngineConfig) -> int:
     `max_num_seqs` each, and a long-prompt one, behind a data-parallel router) plus
     `server.max_queued_requests`."""
     parallel = config.parallel
-    num_engines = parallel.dp_size + (parallel.long_prompt_pp_size > 0)
+    num_engines = parallel.dp_size + (parallel.dp_size > 1 and parallel.long_prompt_pp_size > 0)
     return config.scheduler.max_num_seqs * num_engines + config.server.max_queued_requests
 
 

@@ -92,7 +92,8 @@ def test_the_tables_have_their_headers_and_a_blank_line_between_them(tmp_path):
     heads = [
         "output tok/s (mean TPOT ms), 64 words in, 64 tokens out, ignore_eos; median [range] of the rounds:",
         "long prompts (1000 words in, 16 out, concurrency 4): TTFT mean, p99 (ms), total tok/s; median of rounds:",
-        "asyncpp's default against the targets; one stage with two threads, and two one-stage replicas, against it and the peers:",
+        ("asyncpp's default against the targets; one stage with two threads, one engine of two stages, "
+         "and the replicas alone, against it and the peers:"),
     ]
     starts = [lines.index(head) for head in heads]
     assert starts[0] == 0 and all(lines[i - 1] == "" for i in starts[1:])

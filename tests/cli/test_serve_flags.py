@@ -23,7 +23,7 @@ SAMPLE = {  # a value each flag takes
     "server.api_key": "k", "server.served_model_name": "smol", "parallel.pp_size": "3", "model.max_model_len": "1024",
     "model.dtype": "float32", "scheduler.max_num_seqs": "7", "speculative": '{"method": "ngram"}',
     "kv_transfer": '{"kv_connector": "offload"}', "server.port": "5999",
-    "parallel.dp_size": "2", "parallel.long_prompt_pp_size": "2", "parallel.long_prompt_tokens": "300",
+    "parallel.dp_size": "3", "parallel.long_prompt_pp_size": "3", "parallel.long_prompt_tokens": "300",
 }  # fmt: skip
 
 
@@ -61,9 +61,27 @@ def test_the_flags_land_on_their_keys_over_the_default_deployment():
     assert not config.cache.enable_prefix_caching and sections("--enable-prefix-caching")["cache"]["enable_prefix_caching"]
     default = config_from_dict(sections())
     assert default.server.http_port == 8000 and default.server.port == 0  # vLLM's port; any free engine port
-    assert default.parallel.pp_size == 2 and default.cache.enable_prefix_caching  # the default deployment's
-    long = config_from_dict(sections("-dp", "2", "--long-prompt-pp-size", "2", "--long-prompt-tokens", "300")).parallel
-    assert (long.dp_size, long.long_prompt_pp_size, long.long_prompt_tokens) == (2, 2, 300)
+    assert default.cache.enable_prefix_caching  # the default deployment's: two replicas and a long-prompt pipeline
+    assert (default.parallel.dp_size, default.parallel.pp_size, default.parallel.long_prompt_pp_size) == (2, 1, 2)
+    long = config_from_dict(sections("--long-prompt-pp-size", "3", "--long-prompt-tokens", "300")).parallel
+    assert (long.dp_size, long.long_prompt_pp_size, long.long_prompt_tokens) == (2, 3, 300)
+
+
+@pytest.mark.parametrize("argv, dp_size, pp_size", [
+    (["-pp", "2"], 1, 2),  # -pp alone on the default: one engine of two stages, as vllm serve -pp 2
+    (["-pp", "2", "-dp", "3"], 3, 2),  # both: replicas of two stages each
+    (["-dp", "1"], 1, 1),  # one one-stage engine
+    ([], 2, 1),
+])  # fmt: skip
+def test_pipeline_stages_alone_serve_one_engine(argv, dp_size, pp_size):
+    parallel = config_from_dict(sections(*argv)).parallel
+    assert (parallel.dp_size, parallel.pp_size) == (dp_size, pp_size)
+
+
+def test_pipeline_stages_on_a_config_file_keep_its_replicas(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text("[parallel]\ndp_size = 3\n")
+    assert config_from_dict(sections("--config", str(base), "-pp", "2")).parallel.dp_size == 3
 
 
 def test_a_config_file_is_the_base_and_flags_override_it(tmp_path):

@@ -87,13 +87,18 @@ def test_the_long_prompt_replica_comes_last_on_every_cpu(tmp_path):
 
 
 @pytest.mark.parametrize("parallel,message", [
-    ({"dp_size": 1, "long_prompt_pp_size": 2}, "parallel.long_prompt_pp_size needs parallel.dp_size > 1"),
     ({"dp_size": 2, "long_prompt_pp_size": -1}, "parallel.long_prompt_pp_size must be >= 0, got -1"),
     ({"dp_size": 2, "long_prompt_tokens": 0}, "parallel.long_prompt_tokens must be >= 1, got 0"),
 ])  # fmt: skip
 def test_bad_long_prompt_settings_are_refused(parallel, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict(sections(parallel=parallel))
+
+
+def test_one_engine_has_no_long_prompt_replica_beside_it():
+    config = config_from_dict(sections(parallel={"dp_size": 1, "long_prompt_pp_size": 2}, scheduler={"max_num_seqs": 7},
+                                       server={"max_queued_requests": 5}))  # fmt: skip
+    assert max_in_flight(config) == 7 + 5
 
 
 def test_the_http_front_end_takes_the_long_prompt_replicas_share_too():

@@ -24,8 +24,10 @@ def test_counts_are_summed_and_descriptions_are_the_first_answering_replicas():
 def test_per_process_values_stay_with_their_replica():
     a = {"pid": 1, "stage_pids": [2, 3], "run_id": "x", "uptime_s": 5.0, "layer_balance": {"bounds": [15]},
          "is_dead": False, "num_steps": 4}  # fmt: skip
-    b = {**a, "pid": 9, "run_id": "y", "num_steps": 6}
-    assert merged_stats([a, b], {"run_id": "router"}) == {"num_steps": 10, "replicas": [a, b], "run_id": "router"}
+    b = {**a, "pid": 9, "stage_pids": [10], "run_id": "y", "num_steps": 6}
+    assert merged_stats([a, b], {"run_id": "router"}) == {
+        "num_steps": 10, "stage_pids": [2, 3, 10], "replicas": [a, b], "run_id": "router",
+    }  # every stage process of the deployment: what a benchmark's CPU accounting reads
 
 
 def test_recovery_times_are_joined_and_draft_acceptance_added_by_position():

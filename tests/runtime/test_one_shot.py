@@ -1,4 +1,5 @@
-"""The README's run command: launch the default config (real SmolLM2, pp=2), stream one answer, exit 0."""
+"""The README's run command: launch the default config (real SmolLM2: two replicas and a two-stage
+pipeline), stream one answer, exit 0."""
 
 from __future__ import annotations
 

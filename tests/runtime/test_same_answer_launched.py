@@ -1,4 +1,5 @@
-"""The default deployment answers the same whatever its split and threads do, step by step.
+"""The default deployment's pipeline (the engine of two stages its long prompts go to) answers the
+same whatever its split and threads do, step by step.
 
 `moving_split_launch` makes the boundary jump around the shift window and the lent
 threads come and go on every step, and holds the last stage back on prompt steps
@@ -11,21 +12,19 @@ seeded sampling's, alone and among the greedy requests.
 from __future__ import annotations
 
 import asyncio
-import tomllib
-from pathlib import Path
 
 import pytest
 
 from asyncpp.client import AsyncClient
-from asyncpp.config import load_config
+from asyncpp.config import config_from_dict
 from asyncpp.engine.engine import Engine
 from asyncpp.sampling.params import SamplingParams
+from tests.conftest import default_pipeline_sections
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
-DEFAULT_CONFIG = Path(__file__).parents[2] / "configs" / "default.toml"
 CHATS = [
     [{"role": "user", "content": "Write a haiku about the sea."}],
     [{"role": "user", "content": "Translate 'good morning' into French."}],
@@ -41,14 +40,14 @@ SEEDED = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=7)
 @pytest.fixture(scope="module")
 def fixed_split() -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of every chat, and seeded ones of the first two, from a fixed split in process."""
-    engine = Engine(load_config(DEFAULT_CONFIG).replace(parallel={"shift_layers": 0}))
+    engine = Engine(config_from_dict(default_pipeline_sections()).replace(parallel={"shift_layers": 0}))
     greedy = [r.token_ids for r in engine.generate(CHATS, GREEDY)]
     return greedy, [r.token_ids for r in engine.generate(CHATS[:2], SEEDED)]
 
 
 async def test_a_split_and_threads_that_move_every_step_give_the_fixed_split_s_tokens(tmp_path, fixed_split):
-    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
-    sections["server"].update(port=0, grace_period_s=2.0)
+    sections = default_pipeline_sections()
+    sections["server"].update(grace_period_s=2.0)
     with launched(tmp_path, sections, module="tests.runtime.moving_split_launch", ready_timeout_s=300) as engine:
         client = AsyncClient(engine.address)
         try:

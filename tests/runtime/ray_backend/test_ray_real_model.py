@@ -1,25 +1,24 @@
-"""The default deployment (the real SmolLM2, pp=2) with only `parallel.backend = "ray"` set starts on two simulated
-Ray nodes (NIXL over TCP; layer shifting, auto, turns itself off) and answers token for token as the same config
-in process (where the layers shift: the same bits either way)."""
+"""The default deployment's pipeline (the real SmolLM2, pp=2, the engine its long prompts go to) with only
+`parallel.backend = "ray"` set starts on two simulated Ray nodes (NIXL over TCP; layer shifting, auto, turns
+itself off) and answers token for token as the same config in process (where the layers shift: the same bits
+either way)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import tomllib
-from pathlib import Path
 
 import pytest
 
 from asyncpp.client import AsyncClient
 from asyncpp.config import config_from_dict
 from asyncpp.engine.engine import Engine
+from tests.conftest import default_pipeline_sections
 from tests.runtime.conftest import collect
 from tests.runtime.harness import launched
 from tests.runtime.ray_backend.conftest import placed_event
 from tests.runtime.test_real_model_pp import CHATS, GREEDY
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "default.toml"
 
 pytestmark = [
     pytest.mark.slow,
@@ -45,12 +44,10 @@ def _auto_shift(log_file) -> list[dict]:
 
 
 def _default_sections() -> dict:
-    sections = tomllib.loads(DEFAULT_CONFIG.read_text())
-    sections["server"]["port"] = 0  # any free one: tests run side by side
-    return sections
+    return default_pipeline_sections()  # the default deployment's two stages, on any free port
 
 
-async def test_the_default_deployment_on_two_ray_nodes_equals_local(tmp_path, ray_cluster):
+async def test_the_default_pipeline_on_two_ray_nodes_equals_local(tmp_path, ray_cluster):
     local_config = config_from_dict(_default_sections())
     assert local_config.shift_layers == 4  # in process, the layers shift
     local = [c.token_ids for c in Engine(local_config).generate(CHATS, GREEDY)]
