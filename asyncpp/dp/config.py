@@ -19,7 +19,8 @@ way, with that many stages over every CPU (`layer_split` balanced,
 `long-prompts`.
 
 A prefill/decode role (`kv_transfer.kv_role`) is refused: the router passes no
-KV handshakes between engines. Each derived config is validated here, so a
+KV handshakes between engines; so are Ray's stages (`parallel.backend`): the
+replicas run on this host. Each derived config is validated here, so a
 bad value fails before anything starts.
 """
 
@@ -34,6 +35,11 @@ from asyncpp.config import ConfigError, EngineConfig, config_from_dict
 
 def check_dp(config: EngineConfig) -> None:
     """`ConfigError` if `config` cannot be served by replicas behind a router."""
+    if config.parallel.backend != "local":
+        raise ConfigError(
+            f"parallel.dp_size = {config.parallel.dp_size} runs its replicas on this host: parallel.backend "
+            f"{config.parallel.backend!r} takes one engine (dp_size = 1, and pp_size its stages)"
+        )
     if config.kv_transfer.kv_role:
         raise ConfigError(
             f"parallel.dp_size = {config.parallel.dp_size} cannot take kv_transfer.kv_role "

@@ -76,6 +76,12 @@ def test_dp_size_must_be_positive():
         config_from_dict(sections(parallel={"dp_size": 0}))
 
 
+def test_stages_on_ray_are_refused():
+    with pytest.raises(ConfigError, match=r"^parallel.dp_size = 3 runs its replicas on this host: parallel.backend 'ray' "
+                                          r"takes one engine \(dp_size = 1, and pp_size its stages\)$"):
+        check_dp(config_from_dict(sections(parallel={"backend": "ray"})))
+
+
 def test_a_prefill_decode_role_is_refused():
     config = config_from_dict(sections(kv_transfer={"connector": "offload", "kv_role": "producer"}))
     with pytest.raises(ConfigError) as info:
