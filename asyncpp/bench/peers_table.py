@@ -12,7 +12,8 @@ OUT_DIR/table.md:
   llama.cpp's, c16 and c64 output over the round's faster peer, long-prompt
   mean and p99 TTFT over the faster peer's (the lower); then each other
   deployment (one stage with two threads, one engine of two stages, the
-  replicas without the long-prompt engine) over the default (item 4: which one wins, by workload) and over the faster peer.
+  replicas without the long-prompt engine) over the default (item 4: which
+  one wins, by workload) and over the faster peer.
 
 A ratio is taken within a round, so that a slow spell of the shared machine
 falls on both sides of it; a round missing either side is left out.

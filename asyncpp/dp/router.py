@@ -9,12 +9,12 @@ long-prompt replica (an engine of several stages over every core), prompts of
 at least its `min_tokens` go to it and the others to the rest. The replicas
 run the same config but for that one's `pp_size`, and every path of an engine
 is batch-invariant at any pp size, so which replica serves a request never
-changes its tokens. The request goes as the client
-sent it (prompt, sampling params, `kv_transfer_params`) under an id the
-router makes (`<client id>.dp<router id>.<n>`: two clients may use the same
-id, and no other router, nor this one restarted, makes an id a live request
-already has); the replica's deltas come back unchanged under the client's id,
-and its errors with their kind.
+changes its tokens. The request goes as the client sent it (prompt, sampling
+params, `kv_transfer_params`) under an id the router makes
+(`<client id>.dp<router id>.<n>`: two clients may use the same id, and no
+other router, nor this one restarted, makes an id a live request already has);
+the replica's deltas come back unchanged under the client's id, and its errors
+with their kind.
 
 An abort (or the client gone) cancels the request's task, which aborts it in
 its replica (`AsyncClient.generate` sends the abort as its stream closes). A
