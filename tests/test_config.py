@@ -67,7 +67,13 @@ def test_config_is_frozen():
         ({"server": {"max_queued_requests": -1}}, "server.max_queued_requests must be >= 0"),
         ({"server": {"max_frame_bytes": 0}}, "server.max_frame_bytes must be >= 1"),
         ({"server": {"metrics_require_key": "yes"}}, "server.metrics_require_key must be bool"),
-        ({"parallel": {"pp_size": 2, "max_steps_in_flight": 4}}, "parallel.max_steps_in_flight must be"),
+        ({"parallel": {"pp_size": 2, "max_steps_in_flight": 4}},
+         "parallel.max_steps_in_flight must be 0 (= pp_size) or 1..pp_size + 1 = 3, got 4"),
+        ({"parallel": {"pp_size": 0}}, "parallel.pp_size must be >= 1, got 0"),
+        ({"parallel": {"num_threads": 0}}, "parallel.num_threads must be >= 1, got 0"),
+        ({"parallel": {"max_stage_restarts": -1}}, "parallel.max_stage_restarts must be >= 0, got -1"),
+        ({"parallel": {"pp_size": 2, "layer_split": [3, 0]}}, "parallel.layer_split entries must be >= 1, got 0"),
+        ({"cache": {"num_kv_blocks_override": -1}}, "cache.num_kv_blocks_override must be >= 0, got -1"),
         ({"parallel": {"max_steps_in_flight": -1}}, "parallel.max_steps_in_flight must be"),
         ({"parallel": {"stage_nice": 20}}, "parallel.stage_nice must be in 0..19"),
         ({"parallel": {"stage_nice": -1}}, "parallel.stage_nice must be in 0..19"),
@@ -83,6 +89,13 @@ def test_bad_config_names_the_key(data, words):
     with pytest.raises(ConfigError) as info:
         config_from_dict(data)
     assert words in str(info.value)
+
+
+def test_the_lowest_values_allowed_are_accepted():
+    parallel = config_from_dict({"parallel": {"max_stage_restarts": 0, "long_prompt_pp_size": 0,
+                                              "long_prompt_tokens": 1}}).parallel  # fmt: skip
+    assert (parallel.max_stage_restarts, parallel.long_prompt_pp_size, parallel.long_prompt_tokens) == (0, 0, 1)
+    assert config_from_dict({"cache": {"num_kv_blocks_override": 0}, "server": {"max_queued_requests": 0}})
 
 
 def test_missing_and_invalid_files(tmp_path):
