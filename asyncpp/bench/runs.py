@@ -4,7 +4,9 @@ A run is a label plus config overrides. Keys are dotted config keys
 (`scheduler.max_num_seqs=32`) or a short alias (`pp`, `threads`); values are
 TOML values (lists in brackets: `parallel.layer_split=[18,12]`). A base `layer_split` made for another pp_size is dropped (even split). Each run gets its own TOML file: the base config's tables with
 the overrides applied and `server.port = 0`, validated by `config_from_dict`
-before anything is launched.
+before anything is launched. A run that sets `pp` and not `dp` is one engine
+of that many stages (`parallel.dp_size = 1`), whatever the base's replicas
+(the default deployment's are two), as `asyncpp serve -pp N` on the default.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from asyncpp.toml_write import to_toml  # noqa: F401  (re-exported: derived conf
 
 ALIASES = {
     "pp": "parallel.pp_size",
+    "dp": "parallel.dp_size",
     "threads": "parallel.num_threads",
     "graphs": "model.cuda_graphs",
     "async_output": "scheduler.async_output",
@@ -114,6 +117,9 @@ def run_sections(base_toml: str | Path, run: RunSpec) -> dict[str, dict[str, Any
             continue
         sections.setdefault(section, {})[name] = value
     parallel = sections.setdefault("parallel", {})
+    keys = {key for key, _ in run.overrides}
+    if "parallel.pp_size" in keys and "parallel.dp_size" not in keys:
+        parallel["dp_size"] = 1  # pp=N alone: one engine of N stages
     split = parallel.get("layer_split") or []
     is_explicit = any(key == "parallel.layer_split" for key, _ in run.overrides)
     if split and len(split) != parallel.get("pp_size", 1) and not is_explicit:

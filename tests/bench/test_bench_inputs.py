@@ -44,7 +44,7 @@ def test_run_sections_override_and_pick_any_port(tmp_path):
     base = tmp_path / "base.toml"
     base.write_text(BASE)
     one = run_sections(base, parse_runs("pp=1,threads=2")[0])
-    assert one["parallel"] == {"pp_size": 1, "layer_split": [], "num_threads": 2}  # the pp=2 split is dropped
+    assert one["parallel"] == {"pp_size": 1, "dp_size": 1, "layer_split": [], "num_threads": 2}  # the pp=2 split is dropped
     assert one["server"]["port"] == 0
     two = run_sections(base, parse_runs("pp=2")[0])
     assert two["parallel"]["layer_split"] == [1, 3]
@@ -52,6 +52,13 @@ def test_run_sections_override_and_pick_any_port(tmp_path):
     assert again == one
     config = validate(again)
     assert config.parallel.pp_size == 1 and config.parallel.num_threads == 2 and config.server.port == 0
+
+
+def test_pipeline_stages_alone_make_one_engine_on_a_base_with_replicas(tmp_path):
+    base = tmp_path / "base.toml"
+    base.write_text("[parallel]\npp_size = 1\ndp_size = 2\nlong_prompt_pp_size = 2\n")
+    parallel = [run_sections(base, run)["parallel"] for run in parse_runs("pp=2;pp=2,dp=3;threads=2")]
+    assert [(p["dp_size"], p["pp_size"]) for p in parallel] == [(1, 2), (3, 2), (2, 1)]
 
 
 def test_random_requests_are_seeded_and_in_range():
