@@ -44,7 +44,8 @@ def check_dp(config: EngineConfig) -> None:
         raise ConfigError(
             f"parallel.dp_size = {config.parallel.dp_size} cannot take kv_transfer.kv_role "
             f"{config.kv_transfer.kv_role!r}: the data-parallel router passes no KV handshakes "
-            "(a prefill/decode deployment is a [disagg] table)"
+            "(an engine of a prefill/decode pair is one engine: dp_size = 1, `asyncpp serve -dp 1`; a "
+            "prefill/decode deployment is a [disagg] table)"
         )
 
 

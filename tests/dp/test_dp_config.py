@@ -88,7 +88,8 @@ def test_a_prefill_decode_role_is_refused():
         check_dp(config)
     assert str(info.value) == (
         "parallel.dp_size = 3 cannot take kv_transfer.kv_role 'producer': the data-parallel router passes no KV "
-        "handshakes (a prefill/decode deployment is a [disagg] table)"
+        "handshakes (an engine of a prefill/decode pair is one engine: dp_size = 1, `asyncpp serve -dp 1`; a "
+        "prefill/decode deployment is a [disagg] table)"
     )
     check_dp(config_from_dict(sections(kv_transfer={"connector": "offload"})))  # a connector alone is fine
 
