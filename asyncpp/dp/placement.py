@@ -56,8 +56,8 @@ class LongPrompts:
 
     def eligible(self, live: list[bool], tokens: int) -> list[bool]:
         """Which of the `live` replicas a prompt of `tokens` may go to (module docstring)."""
-        is_long = [i == self.replica for i in range(len(live))]
-        side = [ok and is_long[i] == (tokens >= self.min_tokens) for i, ok in enumerate(live)]
+        is_long = tokens >= self.min_tokens
+        side = [ok and (i == self.replica) == is_long for i, ok in enumerate(live)]
         return side if any(side) else live
 
 
