@@ -24,6 +24,7 @@ import uvloop
 
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices, is_cuda
+from asyncpp.host_memory import check_host_memory
 from asyncpp.disagg.config import is_disagg_config
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCore
@@ -158,6 +159,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # the engine process schedules; the stages compute
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
     arch = read_arch(config.model.source, config.model.path_or_none)
+    check_host_memory(config, arch, [config.parallel.pp_size])  # weights and KV caches that cannot fit: exit 2 here
     plan = resolve_compute_plan(config.model, config.stage_devices, heads=arch.heads)  # so is an ISA level it lacks
     log.info("compute_plan", **plan.describe())
     log_shift_layers(config, log)

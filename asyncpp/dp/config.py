@@ -20,7 +20,8 @@ way, with that many stages over every CPU (`layer_split` balanced,
 
 A prefill/decode role (`kv_transfer.kv_role`) is refused: the router passes no
 KV handshakes between engines; so are Ray's stages (`parallel.backend`): the
-replicas run on this host. Each derived config is validated here, so a
+replicas run on this host. So is a deployment whose weights (once per engine)
+and KV caches cannot fit in the host's memory. Each derived config is validated here, so a
 bad value fails before anything starts.
 """
 
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncpp.config import ConfigError, EngineConfig, config_from_dict
+from asyncpp.host_memory import check_host_memory
+from asyncpp.weights import read_arch
 
 
 def check_dp(config: EngineConfig) -> None:
@@ -47,6 +50,17 @@ def check_dp(config: EngineConfig) -> None:
             "(an engine of a prefill/decode pair is one engine: dp_size = 1, `asyncpp serve -dp 1`; a "
             "prefill/decode deployment is a [disagg] table)"
         )
+
+
+def check_dp_memory(config: EngineConfig) -> None:
+    """`ConfigError` if the replicas and the long-prompt engine cannot fit in the host's memory
+    (`asyncpp.host_memory`). A model that cannot be read is left to the replicas, which say why as they start."""
+    try:
+        arch = read_arch(config.model.source, config.model.path_or_none)
+    except (OSError, ValueError):
+        return
+    p = config.parallel
+    check_host_memory(config, arch, [p.pp_size] * p.dp_size + [p.long_prompt_pp_size] * bool(p.long_prompt_pp_size))
 
 
 def replica_sections(

@@ -30,7 +30,7 @@ from asyncpp.config import EngineConfig
 from asyncpp.disagg.child import EngineChild, EngineStartError
 from asyncpp.disagg.lifecycle import Deployment, exit_code, on_signals
 from asyncpp.disagg.link import EngineLink
-from asyncpp.dp.config import check_dp, long_prompt_sections, replica_cpus, replica_sections
+from asyncpp.dp.config import check_dp, check_dp_memory, long_prompt_sections, replica_cpus, replica_sections
 from asyncpp.dp.placement import LongPrompts
 from asyncpp.dp.router import LOG_ROLE, DPRouter
 from asyncpp.front_ends import bind_client_port, check_http_port
@@ -76,6 +76,7 @@ def replica_files(
 async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     log = get_logger(role="dp_launch")
     check_dp(config)
+    check_dp_memory(config)
     check_http_port(config)  # both ports before any replica starts
     port = config.server.port if ns.port is None else ns.port
     queue = bind_client_port(config.server.host, port, MAX_FRAME_BYTES, ClientAccess(config.server.client_secret))

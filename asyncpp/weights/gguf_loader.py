@@ -93,6 +93,10 @@ class GgufLoader:
         path = _resolve(path_or_name)
         return _arch_from_reader(path, _open_reader(path))
 
+    def stored_bytes(self, path_or_name: str | None) -> int:
+        """Every tensor's bytes in the file's own formats (metadata only)."""
+        return sum(tensor.num_bytes for tensor in _open_reader(_resolve(path_or_name)).tensors.values())
+
     def load(
         self, path_or_name: str | None, arch: ModelArch, names: Sequence[str]
     ) -> dict[str, torch.Tensor]:

@@ -59,6 +59,13 @@ def read_arch(source: str, path_or_name: str | None) -> ModelArch:
     return get_loader(source).read_arch(path_or_name)
 
 
+def stored_bytes(source: str, path_or_name: str | None) -> int | None:
+    """The bytes of the source's stored weight tensors, for sources that can tell without loading them
+    (a GGUF file's tensors in their own formats); else None."""
+    loader = get_loader(source)
+    return loader.stored_bytes(path_or_name) if hasattr(loader, "stored_bytes") else None
+
+
 def load_weights(
     source: str,
     path_or_name: str | None,
