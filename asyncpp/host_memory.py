@@ -34,7 +34,7 @@ from asyncpp.model.arch import ModelArch
 from asyncpp.weights.registry import stored_bytes
 
 MIB = 1024 * 1024
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # auto: the fewest it may resolve to
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}  # every model.dtype; auto: its fewest
 
 
 def mem_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -54,7 +54,7 @@ def weights_floor_bytes(config: EngineConfig, arch: ModelArch) -> int:
     """The fewest bytes one engine's copy of the weights takes (see the module docstring)."""
     model = config.model
     params = arch.num_layers * arch.layer_params + arch.vocab_size * arch.hidden_size
-    floor = params * _DTYPE_BYTES.get(model.dtype, 2)
+    floor = params * _DTYPE_BYTES[model.dtype]
     stored = stored_bytes(model.source, model.path_or_none) if model.weight_format != "float" else None
     return floor if stored is None else min(floor, stored)
 

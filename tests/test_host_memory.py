@@ -16,6 +16,7 @@ from asyncpp.model_files import default_gguf_path
 from asyncpp.weights import read_arch
 from tests.conftest import tiny_config
 from tests.runtime.harness import tiny_sections
+from tests.weights.weights_helpers import GGUF_ARCH, Q, random_hf_tensors, write_llama_gguf
 
 HUGE_KV_MB = 1 << 30  # a PiB of KV cache per stage: more than any host has
 
@@ -41,17 +42,19 @@ def test_the_weights_floor_is_the_fewest_bytes_the_weights_can_take(tiny_hf_dir)
         assert weights_floor_bytes(tiny_config(tiny_hf_dir, model={"dtype": dtype}), arch) == 2 * params
 
 
-def test_a_gguf_files_floor_is_its_tensors_bytes_unless_its_weights_become_floats(tiny_hf_dir):
-    gguf = default_gguf_path()
-    arch = read_arch("gguf", str(gguf))
-    stored = sum(t.num_bytes for t in GGUFFile(gguf).tensors.values())
+def test_a_gguf_files_floor_is_its_tensors_bytes_unless_its_weights_become_floats(tmp_path, tiny_hf_dir):
+    arch = GGUF_ARCH
     params = arch.num_layers * arch.layer_params + arch.vocab_size * arch.hidden_size
-    assert stored < 2 * params  # Q4_1 layers, a Q8_0 embedding
-    model = {"source": "gguf", "path": str(gguf), "dtype": "bfloat16"}
+    quantized = write_llama_gguf(tmp_path / "q8.gguf", arch, random_hf_tensors(arch), Q.Q8_0)
+    stored = sum(t.num_bytes for t in GGUFFile(quantized).tensors.values())
+    assert stored < 2 * params and stored != sum(t.num_bytes for t in GGUFFile(default_gguf_path()).tensors.values())
+    model = {"source": "gguf", "path": str(quantized), "dtype": "bfloat16"}
     for weight_format in ("auto", "native"):
         config = tiny_config(tiny_hf_dir, model={**model, "weight_format": weight_format})
         assert weights_floor_bytes(config, arch) == stored
     assert weights_floor_bytes(tiny_config(tiny_hf_dir, model={**model, "weight_format": "float"}), arch) == 2 * params
+    floats = write_llama_gguf(tmp_path / "f32.gguf", arch, random_hf_tensors(arch))  # more bytes than bfloat16 takes
+    assert weights_floor_bytes(tiny_config(tiny_hf_dir, model={**model, "path": str(floats)}), arch) == 2 * params
 
 
 def test_the_check_refuses_one_byte_short_and_says_what_to_change(tiny_hf_dir):
@@ -61,14 +64,19 @@ def test_the_check_refuses_one_byte_short_and_says_what_to_change(tiny_hf_dir):
     need = 3 * weights + 4 * 3 * MIB  # replicas of 1 and 1 stage, a long-prompt engine of 2
     check_host_memory(config, arch, [1, 1, 2], available=need)
     with pytest.raises(ConfigError) as refused:
-        check_host_memory(config, arch, [1, 1, 2], available=need - 1)
-    message = str(refused.value)
-    assert message.startswith(f"this deployment needs at least {need / MIB:,.0f} MiB of memory and ")
-    assert "3 copies of the weights (one per engine)" in message and "4 stages' KV caches of 3 MiB each" in message
-    assert "`asyncpp serve -dp 1 -pp 2`" in message
-    check_host_memory(config, arch, [2], available=weights + 2 * 3 * MIB)
-    with pytest.raises(ConfigError, match=r"available: the weights, at least .* lower cache.kv_cache_memory_mb, or serve a smaller model$"):
-        check_host_memory(config, arch, [2], available=weights + 2 * 3 * MIB - 1)  # its two stages split one copy
+        check_host_memory(config, arch, [1, 1, 2], available=need - 3 * MIB)
+    assert str(refused.value) == (
+        f"this deployment needs at least {need / MIB:,.0f} MiB of memory and {need / MIB - 3:,.0f} MiB are available: "
+        f"3 copies of the weights (one per engine), at least {weights / MIB:,.0f} MiB each, and 4 stages' KV caches "
+        "of 3 MiB each (cache.kv_cache_memory_mb); serve one engine instead (`asyncpp serve -dp 1 -pp 2`: "
+        "parallel.dp_size = 1, pp_size = 2), or lower cache.kv_cache_memory_mb"
+    )
+    with pytest.raises(ConfigError, match=r"available: 2 copies of the weights \(one per engine\), .* serve one engine"):
+        check_host_memory(config, arch, [1, 1], available=2 * weights + 2 * 3 * MIB - 1)
+    check_host_memory(config, arch, [2], available=weights + 2 * 3 * MIB)  # its two stages split one copy
+    with pytest.raises(ConfigError, match=r"available: the weights, at least .* 2 stages' KV caches of 3 MiB each "
+                       r"\(cache.kv_cache_memory_mb\); lower cache.kv_cache_memory_mb, or serve a smaller model$"):  # fmt: skip
+        check_host_memory(config, arch, [2], available=weights + 2 * 3 * MIB - 1)
 
 
 def test_what_the_check_leaves_out(tiny_hf_dir):
