@@ -91,6 +91,16 @@ def test_bad_config_names_the_key(data, words):
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize("parallel,stages", [
+    ({"dp_size": 1, "pp_size": 2, "long_prompt_pp_size": 2}, (2,)),  # no long-prompt engine beside one engine
+    ({"dp_size": 2, "pp_size": 1, "long_prompt_pp_size": 2}, (1, 1, 2)),  # the default's
+    ({"dp_size": 3, "pp_size": 2, "long_prompt_pp_size": 0}, (2, 2, 2)),
+    ({"dp_size": 2, "pp_size": 1, "long_prompt_pp_size": 3}, (1, 1, 3)),
+])  # fmt: skip
+def test_engine_stages_lists_every_engine_the_launcher_starts(parallel, stages):
+    assert config_from_dict({"parallel": parallel}).parallel.engine_stages == stages
+
+
 def test_the_lowest_values_allowed_are_accepted():
     parallel = config_from_dict({"parallel": {"max_stage_restarts": 0, "long_prompt_pp_size": 0,
                                               "long_prompt_tokens": 1}}).parallel  # fmt: skip

@@ -2,7 +2,7 @@
 
 The configuration reference lists every field of the config dataclasses
 (`asyncpp.config`), section by section, with its type, its default and what
-it means: the comments next to the field in `config.py`, else the one on its
+it means: the comments next to the field in its class (`config.py`, `config_features.py`), else the one on its
 line of `configs/default.toml`. The CLI reference lists every option of
 `asyncpp serve` from its parser (the flags table, `asyncpp.cli.flags`).
 `python -m asyncpp.cli.reference docs/reference` writes both; a test checks

@@ -59,8 +59,7 @@ def check_dp_memory(config: EngineConfig) -> None:
         arch = read_arch(config.model.source, config.model.path_or_none)
     except (OSError, ValueError):
         return
-    p = config.parallel
-    check_host_memory(config, arch, [p.pp_size] * p.dp_size + [p.long_prompt_pp_size] * bool(p.long_prompt_pp_size))
+    check_host_memory(config, arch, config.parallel.engine_stages)
 
 
 def replica_sections(

@@ -48,9 +48,7 @@ def max_in_flight(config: EngineConfig) -> int:
     """Requests the server takes at once: what every engine behind it runs (`dp_size` replicas of
     `max_num_seqs` each, and a long-prompt one, behind a data-parallel router) plus
     `server.max_queued_requests`."""
-    parallel = config.parallel
-    num_engines = parallel.dp_size + (parallel.dp_size > 1 and parallel.long_prompt_pp_size > 0)
-    return config.scheduler.max_num_seqs * num_engines + config.server.max_queued_requests
+    return config.scheduler.max_num_seqs * len(config.parallel.engine_stages) + config.server.max_queued_requests
 
 
 def main(argv: list[str] | None = None) -> int:

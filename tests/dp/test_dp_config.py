@@ -106,8 +106,9 @@ def test_a_prefill_decode_deployment_refuses_replicas(where):
         disagg_config_from_dict(data)
 
 
-@pytest.mark.parametrize("dp_size,expected", [(1, 7 + 5), (3, 3 * 7 + 5)])
-def test_the_http_front_end_takes_every_replicas_share_at_once(dp_size, expected):
-    config = config_from_dict(sections(parallel={"dp_size": dp_size}, scheduler={"max_num_seqs": 7},
-                                       server={"max_queued_requests": 5}))  # fmt: skip
+@pytest.mark.parametrize("dp_size,long_prompt_pp_size,expected",
+                         [(1, 0, 7 + 5), (3, 0, 3 * 7 + 5), (1, 2, 7 + 5), (3, 2, 4 * 7 + 5)])  # fmt: skip
+def test_the_http_front_end_takes_every_replicas_share_at_once(dp_size, long_prompt_pp_size, expected):
+    parallel = {"dp_size": dp_size, "long_prompt_pp_size": long_prompt_pp_size}
+    config = config_from_dict(sections(parallel=parallel, scheduler={"max_num_seqs": 7}, server={"max_queued_requests": 5}))
     assert max_in_flight(config) == expected
