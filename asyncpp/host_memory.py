@@ -69,12 +69,11 @@ def check_host_memory(
     available = mem_available_bytes() if available is None else available
     if available is None:
         return
-    weights = weights_floor_bytes(config, arch)
+    weights, copies = weights_floor_bytes(config, arch), len(engine_stages)
     kv = 0 if config.cache.num_kv_blocks_override else config.cache.kv_cache_memory_mb * MIB
-    need = len(engine_stages) * weights + sum(engine_stages) * kv
+    need = copies * weights + sum(engine_stages) * kv
     if need <= available:
         return
-    copies = len(engine_stages)
     what = f"{copies} copies of the weights (one per engine)" if copies > 1 else "the weights"
     hint = (
         "serve one engine instead (`asyncpp serve -dp 1 -pp 2`: parallel.dp_size = 1, pp_size = 2), "

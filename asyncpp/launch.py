@@ -159,7 +159,7 @@ async def run(config: EngineConfig, ns: argparse.Namespace) -> int:
     torch.set_num_threads(1)  # the engine process schedules; the stages compute
     check_devices(config)  # a CUDA device this machine lacks: exit 2 before anything starts
     arch = read_arch(config.model.source, config.model.path_or_none)
-    check_host_memory(config, arch, config.parallel.engine_stages)  # weights and KV caches that cannot fit: exit 2 here
+    check_host_memory(config, arch, config.parallel.engine_stages)  # cannot fit: exit 2 (a replica: its own share)
     plan = resolve_compute_plan(config.model, config.stage_devices, heads=arch.heads)  # so is an ISA level it lacks
     log.info("compute_plan", **plan.describe())
     log_shift_layers(config, log)

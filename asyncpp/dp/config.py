@@ -20,9 +20,10 @@ way, with that many stages over every CPU (`layer_split` balanced,
 
 A prefill/decode role (`kv_transfer.kv_role`) is refused: the router passes no
 KV handshakes between engines; so are Ray's stages (`parallel.backend`): the
-replicas run on this host. So is a deployment whose weights (once per engine)
-and KV caches cannot fit in the host's memory. Each derived config is validated here, so a
-bad value fails before anything starts.
+replicas run on this host. So is a deployment whose weights (once per
+engine) and KV caches cannot fit in the host's memory (`check_dp_memory`).
+Each derived config is validated here, so a bad value fails before anything
+starts.
 """
 
 from __future__ import annotations
