@@ -15,6 +15,9 @@ attention and the rest of the layers (norms, RoPE, KV writes, SiLU * up),
 counted inside the layer stack's C call, and what is outside it (embedding,
 lm_head, sampling, the engine's Python), per decode step of B requests and
 per prompt step of `--prefill-tokens` tokens (one new prompt per step).
+`--prompt-words MIN,MAX` sets the decode steps' prompts (default 8,16: short
+contexts; `64,64` is the peers' workload, whose decode steps attend over about
+100 positions a request, as in serving).
 """
 
 from __future__ import annotations
@@ -51,16 +54,24 @@ def pp2_ceiling(costs: dict[int, StepCost], concurrency: int) -> float | None:
     return full.step_ms / half.step_ms
 
 
-def measure(engine: Engine, batch_size: int, num_steps: int, seed: int = 0, split: bool = False) -> StepCost:
+def measure(
+    engine: Engine,
+    batch_size: int,
+    num_steps: int,
+    seed: int = 0,
+    split: bool = False,
+    prompt_words: tuple[int, int] = (8, 16),
+) -> StepCost:
     """Median decode step time with `batch_size` requests running (prefills excluded); `split`: the
-    timed steps' mean split too.
+    timed steps' mean split too. The prompts have `prompt_words` (min, max) random words each, so the
+    decode steps attend over about that many positions (the peers' workload: 64).
 
     The requests may generate far more tokens than are timed, so none finishes while other
     prompts are still being prefilled (many steps with a large batch and a small token
     budget); they are aborted once the timed steps are done.
     """
     params = SamplingParams(max_tokens=engine.capacity.max_model_len // 2, temperature=0.0, ignore_eos=True)
-    ids = [engine.add_request(prompt, params) for prompt in synthetic_prompts(batch_size, 8, 16, seed)]
+    ids = [engine.add_request(prompt, params) for prompt in synthetic_prompts(batch_size, *prompt_words, seed)]
     requests = [engine.scheduler.get_request(i) for i in ids]  # live: the scheduler updates them
     while any(r.num_output_tokens == 0 for r in requests):  # prompts done
         engine.step()
@@ -152,12 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--split", action="store_true", help="also the time split of each step (layer stack counters)")
     ap.add_argument("--prefill-tokens", default="256,1024", help="with --split: prompt steps of these many tokens")
+    ap.add_argument("--prompt-words", default="8,16", help="MIN,MAX words per prompt of the decode steps")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     sizes = _ints(args.batch_sizes)
+    prompt_words = _word_range(ap, args.prompt_words)
     engine = decode_engine(args.config, sizes, max(_ints(args.prefill_tokens)) if args.split else 0)
-    measure(engine, min(sizes), 3)  # warm-up
-    costs = {b: measure(engine, b, args.num_steps, split=args.split) for b in sizes}
+    measure(engine, min(sizes), 3, prompt_words=prompt_words)  # warm-up
+    costs = {b: measure(engine, b, args.num_steps, split=args.split, prompt_words=prompt_words) for b in sizes}
     print(f"{'batch':>6} {'step ms':>9} {'ms/token':>9} {'pp=2 ceiling at concurrency':>28}")
     for b, cost in costs.items():
         ceiling = pp2_ceiling(costs, b)
@@ -185,6 +198,17 @@ def main(argv: list[str] | None = None) -> int:
                 indent=2,
             )
     return 0
+
+
+def _word_range(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
+    """`MIN,MAX` words per prompt: 1 <= MIN <= MAX (else the parser's usage error, exit 2)."""
+    try:
+        low, high = (int(v) for v in text.split(","))
+    except ValueError:
+        ap.error(f"--prompt-words takes MIN,MAX (two integers), got {text!r}")
+    if not 1 <= low <= high:
+        ap.error(f"--prompt-words needs 1 <= MIN <= MAX, got {text!r}")
+    return low, high
 
 
 def _ints(text: str) -> list[int]:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+import asyncpp.bench.step_cost as step_cost
 from asyncpp.bench.step_cost import StepCost, main, measure, pp2_ceiling
 from asyncpp.config import load_config
 from asyncpp.engine.engine import Engine
@@ -70,3 +73,30 @@ def test_layer_stack_timing_is_off_unless_set():
     stack.set_timing(False)
     assert all(seconds > 0 for seconds in counted.values()), counted
     assert set(stack.take_times().values()) == {0.0}  # taking them starts the counts again
+
+
+
+def test_prompt_words_set_the_decode_steps_prompts(monkeypatch):
+    asked = []
+    real = step_cost.synthetic_prompts
+
+    def recording(num_prompts, min_words, max_words, seed=0):
+        asked.append((num_prompts, min_words, max_words))
+        return real(num_prompts, min_words, max_words, seed)
+
+    monkeypatch.setattr(step_cost, "synthetic_prompts", recording)
+    assert main(["--config", str(TINY_CONFIG), "--batch-sizes", "2,3", "--num-steps", "2", "--prompt-words", "5,7"]) == 0
+    assert asked == [(2, 5, 7), (2, 5, 7), (3, 5, 7)]  # the warm-up, then each batch size
+    asked.clear()
+    engine = Engine(load_config(TINY_CONFIG).replace(parallel={"pp_size": 1, "layer_split": ()}))
+    measure(engine, 2, 1)
+    assert asked == [(2, 8, 16)]  # measure's default: short prompts
+
+
+@pytest.mark.parametrize("bad", ["7", "9,3", "0,4", "a,b", "1,2,3"])
+def test_prompt_words_must_be_min_max(bad, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--config", str(TINY_CONFIG), "--batch-sizes", "2", "--prompt-words", bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--prompt-words" in err and repr(bad) in err
