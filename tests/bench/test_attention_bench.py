@@ -1,0 +1,65 @@
+"""The decode-attention benchmark: its caches placed as the engine's, and its bit-for-bit check of a baseline."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import torch
+
+from asyncpp.bench.attention import Step, main
+from asyncpp.kernels import huge_pages
+from asyncpp.kernels.decode_attention import decode_attention_kernel
+from asyncpp.kernels.isa import native_level
+from tests.kernels.test_huge_pages import _mapping_of, needs_smaps
+
+SOURCE = resources.files("asyncpp.kernels").joinpath("decode_attention.c").read_text()
+SMALL = ["--layers", "2", "--requests", "3", "--min-context", "5", "--max-context", "40", "--threads", "1",
+         "--repeats", "1", "--evict-mb", "1"]  # fmt: skip
+needs_kernel = pytest.mark.skipif(
+    decode_attention_kernel("cpu", torch.bfloat16, 9, 3, 64, native_level()) is None, reason="no C compiler here"
+)
+
+
+@needs_smaps
+def test_large_caches_sit_on_huge_pages_as_the_engines_do():
+    step = Step(1, [2000, 2000], 9, 3, 64, torch.bfloat16)  # 8000 slots of 384 bytes a cache: 3 MB
+    for cache in step.caches[0]:
+        assert "hg" in _mapping_of(cache.data_ptr())["VmFlags"].split()
+        assert cache.shape == (8000, 3, 64) and cache.dtype == torch.bfloat16
+
+
+def test_caches_hold_the_seeded_values():
+    step = Step(2, [17, 40], 4, 2, 16, torch.float32, seed=3)
+    again = Step(2, [17, 40], 4, 2, 16, torch.float32, seed=3)
+    for (k, v), (k2, v2) in zip(step.caches, again.caches):
+        assert torch.equal(k, k2) and torch.equal(v, v2) and k.std() > 0.5  # random normal values, not zeros
+    g = torch.Generator().manual_seed(3)
+    torch.randperm(2 * (2 + 3), generator=g)  # the block pool's shuffle comes first
+    assert torch.equal(step.caches[0][0], torch.randn(k.shape, generator=g))
+
+
+@needs_kernel
+def test_a_baseline_of_the_same_source_is_bit_identical(tmp_path, capsys):
+    same = tmp_path / "same.c"
+    same.write_text(SOURCE)
+    assert main([*SMALL, "--baseline", str(same)]) == 0
+    out = capsys.readouterr().out
+    assert f"{same}: bit-identical to this kernel on the step: True; on random cases: all" in out
+    assert "ms/step" in out and "current" in out and "same" in out
+
+
+@needs_kernel
+def test_a_baseline_that_differs_is_named(tmp_path, capsys):
+    changed = tmp_path / "changed.c"
+    assert SOURCE.count("block_size, dtype, scale};") == 1
+    changed.write_text(SOURCE.replace("block_size, dtype, scale};", "block_size, dtype, scale * 1.01f};"))
+    assert main([*SMALL, "--baseline", str(changed)]) == 0
+    out = capsys.readouterr().out
+    assert f"{changed}: bit-identical to this kernel on the step: False; on random cases: not [" in out
+
+
+def test_small_caches_stay_plain_tensors():
+    step = Step(1, [5], 4, 2, 16, torch.bfloat16)  # 10 blocks of 16 slots: far under a huge page
+    assert step.caches[0][0].untyped_storage().resizable()
+    assert huge_pages.HUGE_PAGE > step.caches[0][0].numel() * 2
