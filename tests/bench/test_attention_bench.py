@@ -63,3 +63,18 @@ def test_small_caches_stay_plain_tensors():
     step = Step(1, [5], 4, 2, 16, torch.bfloat16)  # 10 blocks of 16 slots: far under a huge page
     assert step.caches[0][0].untyped_storage().resizable()
     assert huge_pages.HUGE_PAGE > step.caches[0][0].numel() * 2
+
+
+def test_a_step_lays_out_requests_as_the_engine_does():
+    step = Step(2, [17, 2], 4, 2, 16, torch.bfloat16, seed=1, rows_per_request=3)
+    # Each request's rows: its last 3 positions (a token and two drafts), at least one.
+    assert step.context_lens.tolist() == [15, 16, 17, 1, 1, 2] and step.context_lens.dtype == torch.int64
+    assert step.block_table.shape == (6, 2) and torch.equal(step.rows, torch.arange(6))
+    first, second = step.block_table[0].tolist(), step.block_table[3, :1].tolist()
+    assert all(torch.equal(step.block_table[i], step.block_table[0]) for i in (1, 2))  # one table per request
+    assert len(set(first + second)) == 3 and max(first + second) < 6  # 3 distinct blocks of a pool of 6
+    assert step.scale == 16**-0.5
+    assert step.kv_bytes == (15 + 16 + 17 + 1 + 1 + 2) * 2 * 16 * 2 * 2  # K and V, 2 kv heads x 16 dims, bfloat16
+    again = Step(2, [17, 2], 4, 2, 16, torch.bfloat16, seed=1, rows_per_request=3)
+    assert all(torch.equal(q, q2) for q, q2 in zip(step.queries, again.queries))  # seeded
+    assert torch.equal(step.block_table, again.block_table)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -80,17 +82,32 @@ def test_prompt_words_set_the_decode_steps_prompts(monkeypatch):
     asked = []
     real = step_cost.synthetic_prompts
 
-    def recording(num_prompts, min_words, max_words, seed=0):
-        asked.append((num_prompts, min_words, max_words))
+    def recording(num_prompts, min_words, max_words, seed):
+        asked.append((num_prompts, min_words, max_words, seed))
         return real(num_prompts, min_words, max_words, seed)
 
     monkeypatch.setattr(step_cost, "synthetic_prompts", recording)
     assert main(["--config", str(TINY_CONFIG), "--batch-sizes", "2,3", "--num-steps", "2", "--prompt-words", "5,7"]) == 0
-    assert asked == [(2, 5, 7), (2, 5, 7), (3, 5, 7)]  # the warm-up, then each batch size
+    assert asked == [(2, 5, 7, 0), (2, 5, 7, 0), (3, 5, 7, 0)]  # the warm-up, then each batch size
     asked.clear()
     engine = Engine(load_config(TINY_CONFIG).replace(parallel={"pp_size": 1, "layer_split": ()}))
-    measure(engine, 2, 1)
-    assert asked == [(2, 8, 16)]  # measure's default: short prompts
+    measure(engine, 2, 1, seed=5)
+    assert asked == [(2, 8, 16, 5)]  # measure's default: short prompts; its seed goes to them
+
+
+def test_prompt_words_bounds_are_inclusive():
+    ap = argparse.ArgumentParser()
+    assert step_cost._word_range(ap, "1,1") == (1, 1)
+    assert step_cost._word_range(ap, "3,3") == (3, 3)
+    assert step_cost._word_range(ap, "64,128") == (64, 128)
+
+
+def test_a_step_time_is_the_median_in_milliseconds():
+    engine = Engine(load_config(TINY_CONFIG).replace(parallel={"pp_size": 1, "layer_split": ()}))
+    t0 = time.perf_counter()
+    cost = measure(engine, 2, 5)
+    elapsed_ms = (time.perf_counter() - t0) * 1e3
+    assert 0.01 < cost.step_ms <= elapsed_ms / 3  # of 5 timed steps, 3 took at least the median
 
 
 @pytest.mark.parametrize("bad", ["7", "9,3", "0,4", "a,b", "1,2,3"])
