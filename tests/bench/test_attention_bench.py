@@ -78,3 +78,9 @@ def test_a_step_lays_out_requests_as_the_engine_does():
     again = Step(2, [17, 2], 4, 2, 16, torch.bfloat16, seed=1, rows_per_request=3)
     assert all(torch.equal(q, q2) for q, q2 in zip(step.queries, again.queries))  # seeded
     assert torch.equal(step.block_table, again.block_table)
+
+
+def test_requests_never_share_a_block():
+    step = Step(1, [17, 20, 33], 4, 2, 16, torch.bfloat16)  # 2 + 2 + 3 blocks of a pool of 14
+    blocks = [b for i, n in enumerate((2, 2, 3)) for b in step.block_table[i, :n].tolist()]
+    assert len(set(blocks)) == 7 and all(0 <= b < 14 for b in blocks)
