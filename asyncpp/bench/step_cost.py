@@ -15,9 +15,10 @@ attention and the rest of the layers (norms, RoPE, KV writes, SiLU * up),
 counted inside the layer stack's C call, and what is outside it (embedding,
 lm_head, sampling, the engine's Python), per decode step of B requests and
 per prompt step of `--prefill-tokens` tokens (one new prompt per step).
-`--prompt-words MIN,MAX` sets the decode steps' prompts (default 8,16: short
-contexts; `64,64` is the peers' workload, whose decode steps attend over about
-100 positions a request, as in serving).
+`--min-words` / `--max-words` set the decode steps' prompts, as in
+`bench.offline` (default 8-16: short contexts; 64 and 64 is the peers'
+workload, whose decode steps attend over about 100 positions a request, as
+in serving).
 """
 
 from __future__ import annotations
@@ -163,11 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--split", action="store_true", help="also the time split of each step (layer stack counters)")
     ap.add_argument("--prefill-tokens", default="256,1024", help="with --split: prompt steps of these many tokens")
-    ap.add_argument("--prompt-words", default="8,16", help="MIN,MAX words per prompt of the decode steps")
+    ap.add_argument("--min-words", type=int, default=8, help="fewest words per prompt of the decode steps")
+    ap.add_argument("--max-words", type=int, default=16, help="most words per prompt of the decode steps")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     sizes = _ints(args.batch_sizes)
-    prompt_words = _word_range(ap, args.prompt_words)
+    if not 1 <= args.min_words <= args.max_words:
+        ap.error(f"--min-words and --max-words need 1 <= min <= max, got {args.min_words} and {args.max_words}")
+    prompt_words = (args.min_words, args.max_words)
     engine = decode_engine(args.config, sizes, max(_ints(args.prefill_tokens)) if args.split else 0)
     measure(engine, min(sizes), 3, prompt_words=prompt_words)  # warm-up
     costs = {b: measure(engine, b, args.num_steps, split=args.split, prompt_words=prompt_words) for b in sizes}
@@ -198,17 +202,6 @@ def main(argv: list[str] | None = None) -> int:
                 indent=2,
             )
     return 0
-
-
-def _word_range(ap: argparse.ArgumentParser, text: str) -> tuple[int, int]:
-    """`MIN,MAX` words per prompt: 1 <= MIN <= MAX (else the parser's usage error, exit 2)."""
-    try:
-        low, high = (int(v) for v in text.split(","))
-    except ValueError:
-        ap.error(f"--prompt-words takes MIN,MAX (two integers), got {text!r}")
-    if not 1 <= low <= high:
-        ap.error(f"--prompt-words needs 1 <= MIN <= MAX, got {text!r}")
-    return low, high
 
 
 def _ints(text: str) -> list[int]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -77,7 +76,6 @@ def test_layer_stack_timing_is_off_unless_set():
     assert set(stack.take_times().values()) == {0.0}  # taking them starts the counts again
 
 
-
 def test_prompt_words_set_the_decode_steps_prompts(monkeypatch):
     asked = []
     real = step_cost.synthetic_prompts
@@ -87,7 +85,8 @@ def test_prompt_words_set_the_decode_steps_prompts(monkeypatch):
         return real(num_prompts, min_words, max_words, seed)
 
     monkeypatch.setattr(step_cost, "synthetic_prompts", recording)
-    assert main(["--config", str(TINY_CONFIG), "--batch-sizes", "2,3", "--num-steps", "2", "--prompt-words", "5,7"]) == 0
+    argv = ["--config", str(TINY_CONFIG), "--batch-sizes", "2,3", "--num-steps", "2", "--min-words", "5", "--max-words", "7"]
+    assert main(argv) == 0
     assert asked == [(2, 5, 7, 0), (2, 5, 7, 0), (3, 5, 7, 0)]  # the warm-up, then each batch size
     asked.clear()
     engine = Engine(load_config(TINY_CONFIG).replace(parallel={"pp_size": 1, "layer_split": ()}))
@@ -95,11 +94,18 @@ def test_prompt_words_set_the_decode_steps_prompts(monkeypatch):
     assert asked == [(2, 8, 16, 5)]  # measure's default: short prompts; its seed goes to them
 
 
-def test_prompt_words_bounds_are_inclusive():
-    ap = argparse.ArgumentParser()
-    assert step_cost._word_range(ap, "1,1") == (1, 1)
-    assert step_cost._word_range(ap, "3,3") == (3, 3)
-    assert step_cost._word_range(ap, "64,128") == (64, 128)
+@pytest.mark.parametrize("words", [("1", "1"), ("3", "3"), ("64", "128")])
+def test_prompt_words_bounds_are_inclusive(words, monkeypatch):
+    asked = []
+
+    def recording(engine, batch_size, num_steps, split=False, prompt_words=None):
+        asked.append(prompt_words)
+        return StepCost(batch_size, 1.0)
+
+    monkeypatch.setattr(step_cost, "measure", recording)
+    monkeypatch.setattr(step_cost, "decode_engine", lambda *a: None)
+    assert main(["--batch-sizes", "2", "--min-words", words[0], "--max-words", words[1]]) == 0
+    assert asked == [(int(words[0]), int(words[1]))] * 2  # the warm-up and the batch size
 
 
 def test_a_step_time_is_the_median_in_milliseconds():
@@ -110,10 +116,17 @@ def test_a_step_time_is_the_median_in_milliseconds():
     assert 0.01 < cost.step_ms <= elapsed_ms / 3  # of 5 timed steps, 3 took at least the median
 
 
-@pytest.mark.parametrize("bad", ["7", "9,3", "0,4", "a,b", "1,2,3"])
-def test_prompt_words_must_be_min_max(bad, capsys):
+@pytest.mark.parametrize(
+    "low, high, message",
+    [
+        ("9", "3", "--min-words and --max-words need 1 <= min <= max, got 9 and 3"),
+        ("0", "4", "--min-words and --max-words need 1 <= min <= max, got 0 and 4"),
+        ("a", "4", "argument --min-words: invalid int value: 'a'"),
+        ("2", "1.5", "argument --max-words: invalid int value: '1.5'"),
+    ],
+)
+def test_prompt_words_must_be_min_max(low, high, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["--config", str(TINY_CONFIG), "--batch-sizes", "2", "--prompt-words", bad])
+        main(["--config", str(TINY_CONFIG), "--batch-sizes", "2", "--min-words", low, "--max-words", high])
     assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "--prompt-words" in err and repr(bad) in err
+    assert message in capsys.readouterr().err
