@@ -24,7 +24,6 @@ import uvloop
 
 from asyncpp.config import ConfigError, EngineConfig, load_config, with_http_overrides
 from asyncpp.device import check_devices, is_cuda
-from asyncpp.host_memory import check_host_memory
 from asyncpp.disagg.config import is_disagg_config
 from asyncpp.engine.compute_plan import ComputePlan, resolve_compute_plan
 from asyncpp.engine.engine import EngineCore
@@ -45,6 +44,7 @@ from asyncpp.front_ends import (
     start_http,
     stop_http,
 )
+from asyncpp.host_memory import check_host_memory
 from asyncpp.kv_transfer.base import ConnectorContext
 from asyncpp.kv_transfer.registry import create_scheduler_connector
 from asyncpp.logging import configure_logging, get_logger
